@@ -1,0 +1,82 @@
+"""User-facing helpers that act on a compiled step (``torch.compile(model, backend="piper")``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from piper_compile.backend import CompiledStep, Options, _STATES, state_for
+from piper_compile.errors import PiperError
+
+
+def _module_of(step: Any) -> nn.Module:
+    mod = getattr(step, "_orig_mod", step)
+    if not isinstance(mod, nn.Module):
+        raise PiperError(f"piper: expected the module returned by torch.compile(model, backend='piper'), got "
+                         f"{type(step).__name__}")
+    return mod
+
+
+def _find_options(obj: Any, depth: int = 0, seen: set[int] | None = None) -> dict[str, Any] | None:
+    """The ``options`` dict given to torch.compile, found in Dynamo's wrapper chain (version-robust BFS)."""
+    seen = seen if seen is not None else set()
+    if obj is None or id(obj) in seen or depth > 8:
+        return None
+    seen.add(id(obj))
+    kwargs = getattr(obj, "kwargs", None)
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
+        return kwargs["options"]
+    for name in ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",
+                 "compiler_fn", "_inner_convert", "backend_fn"):
+        found = _find_options(getattr(obj, name, None), depth + 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _state(step: Any, create: bool) -> Any:
+    params = list(_module_of(step).parameters())
+    for p in params:
+        if id(p) in _STATES and any(q is p for q in _STATES[id(p)].params):
+            return _STATES[id(p)]
+    if not create:
+        return None
+    raw = _find_options(step)
+    return state_for(params, Options.parse(raw).optimizer if raw is not None else None)
+
+
+def optimizer(step: Any) -> torch.optim.Optimizer:
+    """The optimizer piper runs for ``step`` (a real ``torch.optim.Optimizer``: ``param_groups`` work with
+    ``torch.optim.lr_scheduler``). Raises if no ``options["optimizer"]`` was given."""
+    st = _state(step, create=True)
+    opt = st.get_optimizer()
+    if opt is None:
+        raise PiperError("piper: this step has no optimizer: pass options={'optimizer': "
+                         "functools.partial(torch.optim.AdamW, lr=...)} to torch.compile, or step your own optimizer "
+                         "on param.grad after each call")
+    return opt
+
+
+def compiled_steps(step: Any) -> list[CompiledStep]:
+    """The compiled programs of ``step`` (train and forward-only variants), after its first call."""
+    st = _state(step, create=False)
+    if st is None:
+        raise PiperError("piper: this step has not run yet; call it once first")
+    return list(st.steps)
+
+
+def explain(step: Any, forward_only: bool = False) -> str:
+    """Text of every rank's program for ``step`` (after its first call)."""
+    for cs in compiled_steps(step):
+        if forward_only in cs.plans:
+            return "\n".join(p.to_text() for p in cs.plans[forward_only].programs)
+    raise PiperError("piper: no plan of that kind yet; run the step once (under no_grad for forward_only)")
+
+
+def last_stats(step: Any) -> Any:
+    """Counters of the most recent training step on this rank (collectives, P2P, peak live bytes)."""
+    for cs in compiled_steps(step):
+        if False in cs.plans:
+            return cs.plans[False].executor.stats
+    raise PiperError("piper: the step has not trained yet")

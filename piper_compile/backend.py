@@ -1,0 +1,197 @@
+"""The ``piper`` torch.compile backend.
+
+Dynamo hands us its FX graph; the backend returns a ``CompiledStep`` at once and does the work at the
+first call (outside Dynamo's compile, so a ``PiperError`` reaches the user as itself): capture the
+joint graph, cut segments, run the directive and lowering passes, extract and verify every rank's
+program, compile this rank's segments, create process groups, broadcast rank 0's weights, run.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from piper_compile.capture.joint import INPUT, JointGraph, capture_joint, find_batch_constant
+from piper_compile.capture.segments import Segment, extract_segments
+from piper_compile.codegen.compile import CompiledSegment
+from piper_compile.directives.spec import Directive, Replicate, parse_directives
+from piper_compile.errors import PiperDirectiveError, PiperError
+from piper_compile.ir.dag import TrainingDAG
+from piper_compile.passes.build import build_dag
+from piper_compile.passes.context import PassContext
+from piper_compile.passes.driver import run_passes
+from piper_compile.plan.program import Program, build_programs
+from piper_compile.plan.verifier import verify_programs
+from piper_compile.runtime.executor import Executor
+from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
+from piper_compile.runtime.state import TrainState
+
+_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout"}
+
+
+@dataclass
+class Options:
+    directives: list[Directive]
+    optimizer: Callable[..., torch.optim.Optimizer] | None
+    codegen: str
+    timeout_s: float
+
+    @classmethod
+    def parse(cls, options: dict[str, Any] | None) -> "Options":
+        options = dict(options or {})
+        unknown = set(options) - _OPTION_KEYS
+        if unknown:
+            raise PiperError(f"piper: unknown option(s) {sorted(unknown)}; the piper backend takes {sorted(_OPTION_KEYS)}")
+        codegen = options.get("codegen", os.environ.get("PIPER_CODEGEN", "inductor"))
+        if codegen not in ("inductor", "eager"):
+            raise PiperError(f"piper: options['codegen'] must be 'inductor' or 'eager', got {codegen!r}")
+        opt = options.get("optimizer")
+        if opt is not None and not callable(opt):
+            raise PiperError("piper: options['optimizer'] must be a callable params -> torch.optim.Optimizer, e.g. "
+                             f"functools.partial(torch.optim.AdamW, lr=3e-4); got {type(opt).__name__}")
+        timeout = float(options.get("timeout", os.environ.get("PIPER_TIMEOUT", 300)))
+        directives = parse_directives(options.get("directives"))
+        for d in directives:
+            if isinstance(d, Replicate) and d.zero > 0 and opt is None:
+                raise d.error(f"zero={d.zero} shards optimizer state, so piper must run the optimizer",
+                              "pass options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
+        return cls(directives, opt, codegen, timeout)
+
+
+# One TrainState per model, found through any of its parameters (shared by the grad/no-grad programs).
+_STATES: dict[int, TrainState] = {}
+
+
+def state_for(params: list[nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None) -> TrainState:
+    for p in params:
+        st = _STATES.get(id(p))
+        if st is not None and any(q is p for q in st.params):
+            if st.factory is None:
+                st.factory = factory
+            return st
+    st = TrainState(params, factory)
+    for p in params:
+        _STATES[id(p)] = st
+    return st
+
+
+@dataclass
+class Plan:
+    dag: TrainingDAG
+    programs: list[Program]
+    executor: Executor
+
+
+class _NoopBackward(torch.autograd.Function):
+    """Lets ``loss.backward()`` on the returned loss run and do nothing (the step already did it)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+        return None, None
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class CompiledStep:
+    """What the backend returns: one call = one training step (or forward only under no_grad)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None) -> None:
+        self.gm = gm
+        self.example_inputs = list(example_inputs)
+        self.raw_options = options
+        self._options: Options | None = None
+        self.joint: JointGraph | None = None
+        self.segments: dict[str, Segment] = {}
+        self.compiled: dict[str, CompiledSegment] = {}
+        self.plans: dict[bool, Plan] = {}
+        self.state: TrainState | None = None
+        self.rank, self.world = world_info()
+
+    @property
+    def options(self) -> Options:
+        # Parsed at the first call, not inside Dynamo's compile, so errors reach the user unwrapped.
+        if self._options is None:
+            self._options = Options.parse(self.raw_options)
+        return self._options
+
+    # -- planning ----------------------------------------------------------------------------
+    def _capture(self) -> None:
+        self.joint = capture_joint(self.gm, self.example_inputs)
+        self.segments = {s.name: s for s in extract_segments(self.joint)}
+        self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
+        self.state.steps.append(self)
+        self.example_inputs = []  # drop references to the first batch
+
+    def context(self, forward_only: bool) -> PassContext:
+        j = self.joint
+        assert j is not None
+        batched = {s.value for s in j.inputs if s.batched}
+        static_op = find_batch_constant(j.dynamo_gm, j.batch_size) if j.batch_symbol is None else None
+        return PassContext(self.world, self.segments, batched, None if j.batch_symbol is None else str(j.batch_symbol),
+                           j.batch_size, {f: p.numel() * p.element_size() for f, p in j.params.items()},
+                           forward_only, static_op)
+
+    def plan(self, forward_only: bool) -> Plan:
+        if self.joint is None:
+            self._capture()
+        if forward_only in self.plans:
+            return self.plans[forward_only]
+        ctx = self.context(forward_only)
+        dag = run_passes(build_dag(list(self.segments.values()), forward_only), self.options.directives, ctx)
+        programs = build_programs(dag, self.world)
+        verify_programs(programs)
+        program = programs[self.rank]
+        seg_names = {i.node.attr("segment") for i in program.instrs if i.node.attr("segment")}
+        for name in seg_names:
+            if name not in self.compiled:
+                self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)
+        groups = None
+        if self.world > 1:
+            groups = GroupRegistry(self.options.timeout_s)
+            groups.ensure(group_keys(dag, self.world))
+        assert self.state is not None and self.joint is not None
+        executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
+                            len(dag.meta["loss_group"]), dag.meta["loss_group"], self.options.timeout_s,
+                            forward_only)
+        self.plans[forward_only] = Plan(dag, programs, executor)
+        return self.plans[forward_only]
+
+    # -- running -------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> tuple[torch.Tensor]:
+        train = torch.is_grad_enabled()
+        plan = self.plan(forward_only=not train)
+        assert self.state is not None and self.joint is not None
+        if not self.state.broadcast_done:
+            tensors = [self.joint.params[f] for f in sorted(self.joint.params)]
+            tensors += [self.joint.buffers[f] for f in sorted(self.joint.buffers)]
+            self.state.broadcast_from_rank0(tensors)
+        self._check_inputs(args)
+        loss = plan.executor.run(list(args))
+        if train:
+            loss = _NoopBackward.apply(loss, _ANCHOR)
+        return (loss,)
+
+    def _check_inputs(self, args: tuple[Any, ...]) -> None:
+        assert self.joint is not None
+        for s in self.joint.inputs:
+            if s.kind == INPUT and s.arg_index is not None and not isinstance(args[s.arg_index], torch.Tensor):
+                raise PiperError(f"piper: input {s.name!r} must be a tensor")
+
+
+def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
+                  **kwargs: Any) -> CompiledStep:
+    """The ``torch_dynamo_backends`` entry point ``piper``."""
+    if kwargs:
+        raise PiperError(f"piper: unexpected backend arguments {sorted(kwargs)}; pass settings in options={{...}}")
+    return CompiledStep(gm, example_inputs, options)
+
+
+__all__ = ["CompiledStep", "Options", "PiperDirectiveError", "piper_backend", "state_for"]

@@ -1,0 +1,230 @@
+"""Joint forward+backward capture with AOTAutograd (``aot_export_joint_with_descriptors``).
+
+The backend receives Dynamo's FX graph whose placeholders are parameters, buffers, SymInts and user
+inputs. We export the joint graph with Dynamo's own fake tensors (so the batch dimension stays
+symbolic), and describe every placeholder and output with a name the rest of piper uses.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+from torch import fx, nn
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from piper_compile.errors import PiperCaptureError
+
+PARAM, BUFFER, INPUT, SYM, TANGENT = "param", "buffer", "input", "sym", "tangent"
+TANGENT_VALUE = "tangent"
+
+
+@dataclass
+class InputSpec:
+    """One placeholder of the joint graph."""
+
+    kind: str  # param | buffer | input | sym | tangent
+    name: str  # fqn for params/buffers, source name for inputs
+    value: str  # DAG value name
+    arg_index: int | None  # position in the compiled function's call args
+    batched: bool = False  # sliced into micro-batches (inputs) / equal to the batch size (syms)
+    symbol: Any = None  # sympy symbol for SymInt inputs
+
+
+@dataclass
+class JointGraph:
+    gm: fx.GraphModule
+    inputs: list[InputSpec]
+    value_of: dict[str, str]  # joint placeholder node name -> value name
+    loss: str  # joint node name of the loss
+    grad_of: dict[str, str]  # joint node name -> param fqn whose gradient it is
+    params: dict[str, nn.Parameter]
+    buffers: dict[str, torch.Tensor]
+    batch_symbol: Any  # sympy symbol of the batch dimension (None when it is static)
+    batch_size: int  # the concrete batch size seen at capture
+    dynamo_gm: fx.GraphModule
+    symbols: dict[Any, str] = field(default_factory=dict)  # sympy symbol -> sym value name
+
+    def spec(self, value: str) -> InputSpec | None:
+        for s in self.inputs:
+            if s.value == value:
+                return s
+        return None
+
+
+_KEY = re.compile(r"\['([^']+)'\]|\[(\d+)\]|\.(\w+)")
+_SKIP = {"_modules", "_parameters", "_buffers"}
+
+
+def _source_name(node: fx.Node) -> str:
+    ga = node.meta.get("grapharg")
+    src = getattr(ga, "source", None)
+    if src is None:
+        return node.name
+    name = src.name() if callable(src.name) else src.name
+    return str(name)
+
+
+def fqn_from_source(source: str) -> str:
+    """``L['self']._modules['blocks']._modules['0']._parameters['weight']`` -> ``blocks.0.weight``."""
+    parts = [next(g for g in m.groups() if g is not None) for m in _KEY.finditer(source)]
+    parts = [p for p in parts[1:] if p not in _SKIP]
+    return ".".join(parts) or source
+
+
+def _check_single_loss(gm: fx.GraphModule) -> None:
+    out = gm.graph.find_nodes(op="output")[0]
+    outs = out.args[0]
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    vals = [o.meta.get("example_value") if isinstance(o, fx.Node) else o for o in outs]
+    ok = len(vals) == 1 and isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0 and vals[0].is_floating_point()
+    if not ok:
+        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]
+        raise PiperCaptureError(
+            f"piper: the captured graph returns {len(vals)} value(s) {shapes}, not one scalar loss. Either the "
+            "model's forward does not return a scalar loss, or Dynamo split the model into several graphs "
+            "(a graph break: print(), .item(), data-dependent control flow). piper needs one graph for the "
+            "whole step: return the loss from forward, and compile with fullgraph=True to see where the "
+            "graph breaks (TORCH_LOGS=graph_breaks lists them)."
+        )
+
+
+def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[InputSpec], dict, dict]:
+    specs: list[InputSpec] = []
+    params: dict[str, nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    if len(placeholders) != len(example_inputs):
+        raise PiperCaptureError(f"piper: internal: {len(placeholders)} placeholders vs {len(example_inputs)} inputs")
+    for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
+        src = _source_name(node)
+        if isinstance(ex, nn.Parameter):
+            fqn = fqn_from_source(src)
+            params[fqn] = ex
+            specs.append(InputSpec(PARAM, fqn, f"param:{fqn}", i))
+        elif isinstance(ex, torch.Tensor) and "_buffers" in src:
+            fqn = fqn_from_source(src)
+            buffers[fqn] = ex
+            specs.append(InputSpec(BUFFER, fqn, f"buffer:{fqn}", i))
+        elif isinstance(ex, torch.Tensor):
+            name = re.sub(r"[^A-Za-z0-9_.]", "", fqn_from_source(src).replace("L[", "")) or f"arg{i}"
+            specs.append(InputSpec(INPUT, name, f"input:{name}", i))
+        elif isinstance(ex, (int, torch.SymInt)):
+            val = node.meta.get("example_value")
+            sym = val.node.expr if isinstance(val, torch.SymInt) else None
+            specs.append(InputSpec(SYM, node.name, f"sym:{node.name}", i, symbol=sym))
+        else:
+            raise PiperCaptureError(
+                f"piper: graph input {src!r} has unsupported type {type(ex).__name__}; pass tensors (and ints) only"
+            )
+    return specs, params, buffers
+
+
+def _batch_symbol(specs: list[InputSpec], gm: fx.GraphModule) -> tuple[Any, int]:
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for s in specs:
+        if s.kind == INPUT:
+            val = placeholders[s.arg_index].meta["example_value"]
+            if val.dim() == 0:
+                continue
+            d0 = val.shape[0]
+            if isinstance(d0, torch.SymInt):
+                return d0.node.expr, int(d0.node.hint) if d0.node.hint is not None else -1
+            return None, int(d0)
+    return None, 0
+
+
+def find_batch_constant(gm: fx.GraphModule, batch: int) -> str | None:
+    """Name the first op of Dynamo's graph that hard-codes the batch size (for the static-batch error)."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        ints: list[int] = []
+        fx.node.map_aggregate((node.args, node.kwargs), lambda x: ints.append(x) if type(x) is int else None)
+        if batch in ints:
+            target = getattr(node.target, "__name__", str(node.target))
+            trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+            where = f" at {trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else ""
+            return f"{target}(... {batch} ...){where}"
+    return None
+
+
+def capture_joint(gm: fx.GraphModule, example_inputs: list[Any]) -> JointGraph:
+    """Export the joint graph of Dynamo's graph ``gm`` and describe its inputs/outputs."""
+    _check_single_loss(gm)
+    specs, params, buffers = _describe_inputs(gm, example_inputs)
+    fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
+    try:
+        with contextlib.ExitStack() as stack, torch.enable_grad():
+            joint = aot_export_joint_with_descriptors(stack, gm, fakes)
+            jgm = joint.graph_module
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise PiperCaptureError(
+            f"piper: AOTAutograd could not export the joint forward+backward graph: {type(e).__name__}: {e}"
+        ) from e
+    jgm.graph._codegen = fx.graph.CodeGen()  # flat placeholders, flat outputs
+    jgm.recompile()
+
+    value_of: dict[str, str] = {}
+    placeholders = jgm.graph.find_nodes(op="placeholder")
+    primal_specs = iter(specs)
+    final_specs: list[InputSpec] = []
+    for node in placeholders:
+        desc = type(node.meta.get("desc")).__name__
+        if desc.startswith("Tangent"):
+            spec = InputSpec(TANGENT, "tangent", TANGENT_VALUE, None)
+        else:
+            spec = next(primal_specs)
+        final_specs.append(spec)
+        value_of[node.name] = spec.value
+
+    out_node = jgm.graph.find_nodes(op="output")[0]
+    outs = list(out_node.args[0])
+    descs = out_node.meta.get("desc") or [None] * len(outs)
+    loss: str | None = None
+    grad_of: dict[str, str] = {}
+    for o, d in zip(outs, descs):
+        dname = type(d).__name__
+        if dname == "PlainAOTOutput" and loss is None:
+            loss = o.name
+        elif dname == "GradAOTOutput" and o is not None:
+            idx = d.grad_of.idx
+            spec = specs[idx]
+            if spec.kind == PARAM:
+                if not isinstance(o, fx.Node) or o.op == "placeholder":
+                    continue
+                grad_of[o.name] = spec.name
+        elif dname not in ("GradAOTOutput", "PlainAOTOutput", "NoneType"):
+            raise PiperCaptureError(
+                f"piper: the model's forward mutates an input or buffer ({d}); in-place updates of buffers "
+                "(e.g. BatchNorm running statistics) are not supported yet. Use LayerNorm/RMSNorm or keep the "
+                "statistic outside the compiled step."
+            )
+    assert loss is not None
+    batch_symbol, batch_size = _batch_symbol(specs, gm)
+    symbols: dict[Any, str] = {}
+    for s in final_specs:
+        if s.kind == SYM and s.symbol is not None:
+            symbols[s.symbol] = s.value
+            s.batched = batch_symbol is not None and s.symbol == batch_symbol
+    for s, node in zip(specs, gm.graph.find_nodes(op="placeholder")):
+        if s.kind == INPUT:
+            val = node.meta["example_value"]
+            s.batched = (batch_symbol is not None and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
+                         and val.shape[0].node.expr == batch_symbol)
+    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbol, batch_size,
+                      gm, symbols)
+
+
+def eval_sym(expr: str | int, values: dict[str, int]) -> int:
+    """Evaluate a SymInt expression string with symbol values."""
+    if isinstance(expr, int):
+        return expr
+    if expr.lstrip("-").isdigit():
+        return int(expr)
+    expr = expr.replace(";", ",")
+    e = sympy.sympify(expr, locals={k: sympy.Symbol(k) for k in values})
+    return int(e.subs({sympy.Symbol(k): v for k, v in values.items()}))

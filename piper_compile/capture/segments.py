@@ -1,0 +1,210 @@
+"""Regions and segments: the joint graph cut into one sub-graph per (region tags, pass F/B).
+
+Region rule for untagged nodes (documented in docs/design.md): an untagged node joins the region of
+its *latest-computed* tagged input (so gradient accumulation of a tied weight lands in the region whose
+backward runs last); a node with no tagged input joins the region of its first tagged user; a graph
+with no tags at all is one region ``{}``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from piper_compile.capture.annotate import AUTO_PREFIX
+from piper_compile.capture.joint import JointGraph
+from piper_compile.errors import PiperCaptureError
+
+Region = tuple[tuple[str, Any], ...]
+RESERVED_TAGS = {"PASS", "MB"}
+
+
+def region_label(region: Region) -> str:
+    return "".join(f"{k}{v}" for k, v in region)
+
+
+@dataclass
+class Segment:
+    """A compiled unit: one region's forward (F) or backward (B) nodes of the joint graph."""
+
+    name: str  # e.g. "F.PP1"
+    region: Region
+    pass_: str  # F | B
+    gm: fx.GraphModule
+    inputs: tuple[str, ...]  # value names, in placeholder order
+    outputs: tuple[str, ...]  # value names, in output order
+    loss: str | None = None  # output value that is the loss
+    grads: tuple[tuple[str, str], ...] = ()  # (output value, param fqn)
+    out_meta: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # value -> (shape, dtype)
+
+
+def _tags(node: fx.Node) -> dict[str, Any]:
+    custom = node.meta.get("custom") or {}
+    return {k: v for k, v in custom.items() if isinstance(k, str) and isinstance(v, (int, str))}
+
+
+def _renumber_auto(nodes: list[fx.Node]) -> dict[str, dict[str, Any]]:
+    """Map raw ``auto:N`` tag values to 0, 1, ... by first appearance; return per-node tags."""
+    per_node: dict[str, dict[str, Any]] = {}
+    auto_map: dict[str, dict[str, int]] = defaultdict(dict)
+    explicit: dict[str, set[Any]] = defaultdict(set)
+    for n in nodes:
+        tags = _tags(n)
+        for k, v in tags.items():
+            if k in RESERVED_TAGS:
+                raise PiperCaptureError(f"piper: tag {k!r} is reserved by piper (used by directives); "
+                                        f"rename the annotation at {n.name}")
+            if isinstance(v, str) and v.startswith(AUTO_PREFIX):
+                tags[k] = auto_map[k].setdefault(v, len(auto_map[k]))
+            else:
+                explicit[k].add(v)
+        per_node[n.name] = tags
+    for k in auto_map:
+        if explicit.get(k):
+            raise PiperCaptureError(f"piper: tag {k!r} is used both auto-indexed (annotate({k!r})) and with explicit "
+                                    f"indices {sorted(map(str, explicit[k]))}; use one style per tag")
+    return per_node
+
+
+def assign_regions(gm: fx.GraphModule) -> tuple[dict[str, Region], dict[str, str]]:
+    """Region and pass (F/B) of every compute node of the joint graph."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    tags = _renumber_auto(nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    passes = {n.name: ("B" if n.meta.get("partitioner_tag") == "is_backward" else "F") for n in nodes}
+    if not any(tags.values()):
+        return {n.name: () for n in nodes}, passes
+    region: dict[str, Region] = {}
+    pending: list[fx.Node] = []
+    for n in nodes:
+        if tags[n.name]:
+            region[n.name] = tuple(sorted(tags[n.name].items()))
+            continue
+        tagged_inputs = [a for a in n.all_input_nodes if a.name in region]
+        if tagged_inputs:
+            region[n.name] = region[max(tagged_inputs, key=lambda a: index[a.name]).name]
+        else:
+            pending.append(n)
+    for n in reversed(pending):
+        users = sorted((u for u in n.users if u.name in region), key=lambda u: index[u.name])
+        if users:
+            region[n.name] = region[users[0].name]
+    first = next(iter(region.values()))
+    last: Region = first
+    for n in nodes:  # anything left (e.g. dead code) joins the previous node's region
+        last = region.setdefault(n.name, last)
+    return region, passes
+
+
+def _value(node: fx.Node, joint: JointGraph) -> str:
+    return joint.value_of.get(node.name, node.name)
+
+
+def _meta_of(node: fx.Node) -> tuple[tuple[str, ...], str]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(str(s) for s in val.shape), str(val.dtype).replace("torch.", "")
+    return (), "sym"
+
+
+def _is_sym(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op != "placeholder"
+
+
+def extract_segments(joint: JointGraph) -> list[Segment]:
+    """Cut the joint graph into segments; checks that regions form an acyclic segment graph."""
+    gm = joint.gm
+    region, passes = assign_regions(gm)
+    groups: dict[tuple[str, Region], list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        groups.setdefault((passes[n.name], region[n.name]), []).append(n)
+    out_node = gm.graph.find_nodes(op="output")[0]
+    seg_of = {n.name: key for key, ns in groups.items() for n in ns}
+    segments = []
+    for (pass_, reg), nodes in groups.items():
+        segments.append(_build_segment(joint, pass_, reg, nodes, seg_of, out_node))
+    _check_acyclic(segments, seg_of, gm)
+    return segments
+
+
+def _build_segment(joint: JointGraph, pass_: str, reg: Region, nodes: list[fx.Node],
+                   seg_of: dict[str, Any], out_node: fx.Node) -> Segment:
+    key = (pass_, reg)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[str] = []
+
+    def load(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        if _is_sym(a):
+            # SymInts are never shipped between segments: recompute from the symbol values.
+            value = "symexpr:" + str(a.meta["val"].node.expr).replace(" ", "").replace(",", ";")
+        else:
+            value = _value(a, joint)
+        ph = g.placeholder(f"in{len(inputs)}")
+        ph.meta.update(a.meta)
+        inputs.append(value)
+        env[a] = ph
+        return ph
+
+    member = {n.name for n in nodes}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.name not in member:
+                load(a)
+        env[n] = g.node_copy(n, lambda a: env[a])
+    outputs: list[str] = []
+    out_nodes: list[fx.Node] = []
+    out_meta: dict[str, tuple[tuple[str, ...], str]] = {}
+    for n in nodes:
+        used_outside = any(u is out_node or seg_of.get(u.name) != key for u in n.users)
+        if used_outside and not _is_sym(n):
+            outputs.append(n.name)
+            out_nodes.append(env[n])
+            out_meta[n.name] = _meta_of(n)
+    g.output(tuple(out_nodes))
+    seg_gm = fx.GraphModule(joint.gm, g)
+    name = f"{pass_}.{region_label(reg) or 'all'}"
+    loss = joint.loss if joint.loss in outputs else None
+    grads = tuple((v, joint.grad_of[v]) for v in outputs if v in joint.grad_of)
+    return Segment(name, reg, pass_, seg_gm, tuple(inputs), tuple(outputs), loss, grads, out_meta)
+
+
+def _check_acyclic(segments: list[Segment], seg_of: dict[str, Any], gm: fx.GraphModule) -> None:
+    by_key = {(s.pass_, s.region): s for s in segments}
+    deps: dict[str, set[str]] = {s.name: set() for s in segments}
+    witness: dict[tuple[str, str], str] = {}
+    for s in segments:
+        for v in s.inputs:
+            src = seg_of.get(v)
+            if src is not None and by_key[src].name != s.name:
+                deps[s.name].add(by_key[src].name)
+                witness[(by_key[src].name, s.name)] = v
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for d in sorted(deps[name]):
+            if state.get(d) == 1:
+                cyc = path[path.index(d):] + [d] if d in path else [d, name]
+                via = ", ".join(f"{witness.get((b, a), '?')}" for a, b in zip(cyc, cyc[1:]))
+                regions = sorted({c.split('.', 1)[1] for c in cyc})
+                raise PiperCaptureError(
+                    f"piper: region(s) {regions} are not contiguous: segments {' <- '.join(cyc)} depend on each "
+                    f"other (through values {via}), so no stage order can run them. A region must be one "
+                    "contiguous piece of the computation: annotate whole blocks, and do not come back to a "
+                    "region after another region has started."
+                )
+            if state.get(d) is None:
+                visit(d, path + [d])
+        state[name] = 2
+
+    for s in segments:
+        if s.name not in state:
+            visit(s.name, [s.name])

@@ -1,0 +1,55 @@
+"""Compile a segment for the concrete shapes it runs with.
+
+Segments are captured with a symbolic batch size. At first execution with concrete inputs we retrace
+the segment with ``make_fx`` (Inductor's decompositions, concrete shapes) and compile it with
+``compile_fx_inner`` -- C++ on CPU, Triton on CUDA. One compiled artifact per input signature.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+Signature = tuple[Any, ...]
+
+
+def _signature(args: list[Any]) -> Signature:
+    return tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class CompiledSegment:
+    """Callable ``list of inputs -> list of outputs`` for one segment."""
+
+    def __init__(self, name: str, gm: fx.GraphModule, mode: str = "inductor") -> None:
+        if mode not in ("inductor", "eager"):
+            raise ValueError(f"piper: codegen must be 'inductor' or 'eager', got {mode!r}")
+        self.name = name
+        self.gm = gm
+        self.mode = mode
+        self._cache: dict[Signature, Callable[[list[Any]], Any]] = {}
+        self.compile_seconds = 0.0
+
+    def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
+        if self.mode == "eager":
+            return lambda a: self.gm(*a)
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            static = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+            compiled = compile_fx_inner(static, list(args))
+        self.compile_seconds += time.perf_counter() - t0
+        return lambda a: compiled(list(a))
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        sig = _signature(args)
+        fn = self._cache.get(sig)
+        if fn is None:
+            fn = self._cache[sig] = self._compile(args)
+        with torch.no_grad():
+            out = fn(args)
+        return list(out)

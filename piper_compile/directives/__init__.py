@@ -1,0 +1,8 @@
+"""Directive records, JSON parsing/validation and Python builders."""
+from piper_compile.directives.builders import order, pipeline, place, replicate, split
+from piper_compile.directives.spec import (
+    ANY, Directive, Order, Place, Replicate, Split, filter_matches, parse_directive, parse_directives,
+)
+
+__all__ = ["ANY", "Directive", "Order", "Place", "Replicate", "Split", "filter_matches", "order", "parse_directive",
+           "parse_directives", "pipeline", "place", "replicate", "split"]

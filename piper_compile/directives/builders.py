@@ -1,0 +1,49 @@
+"""Python builders for directives. Each returns the plain JSON dict (or a list of them), so a strategy
+written in Python and one loaded from JSON are the same thing."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from piper_compile.errors import PiperDirectiveError
+
+Filter = dict[str, Any]
+
+
+def place(filter: Filter, devices: Sequence[int], stream: str | None = None) -> dict[str, Any]:
+    """Put the regions matched by ``filter`` on the device group ``devices``."""
+    d: dict[str, Any] = {"op": "place", "filter": dict(filter), "devices": list(devices)}
+    if stream is not None:
+        d["stream"] = stream
+    return d
+
+
+def split(microbatches: int, filter: Filter | None = None, dim_name: str = "MB") -> dict[str, Any]:
+    """Split the local batch (dim 0) into ``microbatches`` micro-batches tagged ``dim_name``."""
+    return {"op": "split", "filter": dict(filter or {}), "dim_name": dim_name, "num_microbatches": microbatches}
+
+
+def replicate(filter: Filter | None = None, devices: Sequence[int] | None = None, *, zero: int = 0,
+              bucket_mb: float = 25.0, reduce_stream: str = "dp", gather_stream: str = "dp_gather") -> dict[str, Any]:
+    """Data-parallel replicas of the matched regions over their device group (ZeRO stage ``zero``)."""
+    d: dict[str, Any] = {"op": "replicate", "filter": dict(filter or {}), "zero": zero, "bucket_size": bucket_mb,
+                         "reduce_stream": reduce_stream, "gather_stream": gather_stream}
+    if devices is not None:
+        d["devices"] = list(devices)
+    return d
+
+
+def order(*groups: Filter | Sequence[Filter]) -> dict[str, Any]:
+    """Order edges between consecutive groups; a group of several filters is an overlap slot."""
+    return {"op": "order", "filters": [[dict(g)] if isinstance(g, dict) else [dict(f) for f in g] for g in groups]}
+
+
+def pipeline(stages: int, ranks: Sequence[int | Sequence[int]] | None = None, tag: str = "PP",
+             stream: str | None = None) -> list[dict[str, Any]]:
+    """Place ``tag``=s on ``ranks[s]`` for every stage s (default: stage s on rank s)."""
+    if stages < 1:
+        raise PiperDirectiveError(None, {"pipeline": stages}, f"stages must be >= 1, got {stages}", "use stages>=1")
+    ranks = list(range(stages)) if ranks is None else list(ranks)
+    if len(ranks) != stages:
+        raise PiperDirectiveError(None, {"pipeline": stages, "ranks": ranks},
+                                  f"{len(ranks)} rank groups given for {stages} stages", "give one group per stage")
+    return [place({tag: s}, [r] if isinstance(r, int) else list(r), stream) for s, r in enumerate(ranks)]

@@ -1,0 +1,282 @@
+"""Directive records and their JSON vocabulary (the prototype's: ``{"op": "place", "filter": {...}}``).
+
+``parse_directives`` accepts a list of dicts, a path to a JSON file, or builder objects, validates
+every field and returns typed records. Each error is a ``PiperDirectiveError`` that names the
+directive's index and JSON, what is wrong and how to fix it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from piper_compile.errors import PiperDirectiveError
+
+ANY = "*"
+PASSES = ("F", "B", "BI", "BW")
+Filter = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Directive:
+    """Base of all directive records; ``index``/``raw`` locate it in the user's list for errors."""
+
+    index: int = field(default=-1, compare=False)
+    raw: Any = field(default=None, compare=False, repr=False)
+
+    def error(self, problem: str, fix: str) -> PiperDirectiveError:
+        return PiperDirectiveError(self.index, self.raw if self.raw is not None else self.to_json(), problem, fix)
+
+    def to_json(self) -> dict[str, Any]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Place(Directive):
+    filter: Filter = field(default_factory=dict)
+    devices: tuple[int, ...] = ()
+    stream: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": "place", "filter": dict(self.filter), "devices": list(self.devices)}
+        if self.stream is not None:
+            d["stream"] = self.stream
+        return d
+
+
+@dataclass(frozen=True)
+class Split(Directive):
+    filter: Filter = field(default_factory=dict)
+    num_microbatches: int = 1
+    dim_name: str = "MB"
+    dim: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": "split", "filter": dict(self.filter), "dim_name": self.dim_name,
+                "num_microbatches": self.num_microbatches, "dim": self.dim}
+
+
+@dataclass(frozen=True)
+class Replicate(Directive):
+    filter: Filter = field(default_factory=dict)
+    devices: tuple[int, ...] | None = None
+    reduce_stream: str = "dp"
+    gather_stream: str = "dp_gather"
+    bucket_size: float = 25.0  # MB
+    zero: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": "replicate", "filter": dict(self.filter), "reduce_stream": self.reduce_stream,
+                             "gather_stream": self.gather_stream, "bucket_size": self.bucket_size,
+                             "zero": self.zero}
+        if self.devices is not None:
+            d["devices"] = list(self.devices)
+        return d
+
+
+@dataclass(frozen=True)
+class Order(Directive):
+    filters: tuple[tuple[Filter, ...], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": "order", "filters": [[dict(f) for f in g] for g in self.filters]}
+
+
+_KNOWN = {"place": Place, "split": Split, "replicate": Replicate, "order": Order}
+_FUTURE = {"shard", "shard_tensor", "stream", "checkpoint"}
+
+
+def _check_type(i: int, raw: dict, key: str, types: tuple[type, ...], what: str) -> Any:
+    value = raw[key]
+    if isinstance(value, bool) and bool not in types:
+        raise PiperDirectiveError(i, raw, f"field {key!r} must be {what}, got {value!r} ({type(value).__name__})",
+                                  f"write {key!r} as {what}")
+    if not isinstance(value, types):
+        raise PiperDirectiveError(i, raw, f"field {key!r} must be {what}, got {value!r} ({type(value).__name__})",
+                                  f"write {key!r} as {what}")
+    return value
+
+
+def _filter(i: int, raw: dict, value: Any, where: str = "filter") -> Filter:
+    if not isinstance(value, dict):
+        raise PiperDirectiveError(i, raw, f"{where} must be a JSON object of tag -> index, got {value!r}",
+                                  'write it like {"PP": 0} or {"PP": "*"}')
+    out: Filter = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise PiperDirectiveError(i, raw, f"{where} key {k!r} is not a string", "use tag names as keys")
+        if k == "PASS":
+            if v not in PASSES and v != ANY:
+                raise PiperDirectiveError(i, raw, f"{where} has PASS={v!r}", f"use one of {list(PASSES)} or '*'")
+        elif isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise PiperDirectiveError(i, raw, f"{where} value for tag {k!r} must be an int or '*', got {v!r}",
+                                      f'write {{"{k}": 0}} or {{"{k}": "*"}}')
+        elif isinstance(v, str) and v != ANY:
+            v = int(v) if v.lstrip("-").isdigit() else v
+        out[k] = v
+    return out
+
+
+def _devices(i: int, raw: dict, key: str = "devices") -> tuple[int, ...]:
+    devs = raw[key]
+    if not isinstance(devs, list) or not devs or not all(isinstance(d, int) and not isinstance(d, bool) for d in devs):
+        raise PiperDirectiveError(i, raw, f"field {key!r} must be a non-empty list of rank numbers, got {devs!r}",
+                                  f'write e.g. "{key}": [0, 1]')
+    if len(set(devs)) != len(devs):
+        raise PiperDirectiveError(i, raw, f"field {key!r} lists a rank twice: {devs}", "list each rank once")
+    if min(devs) < 0:
+        raise PiperDirectiveError(i, raw, f"field {key!r} has a negative rank: {devs}", "ranks start at 0")
+    return tuple(devs)
+
+
+def _allowed(i: int, raw: dict, keys: set[str]) -> None:
+    extra = set(raw) - keys - {"op"}
+    if extra:
+        raise PiperDirectiveError(i, raw, f"unknown field(s) {sorted(extra)} for op {raw['op']!r}",
+                                  f"use only {sorted(keys)}")
+
+
+def _parse_place(i: int, raw: dict) -> Place:
+    _allowed(i, raw, {"filter", "devices", "device", "stream"})
+    if "devices" not in raw and "device" in raw:
+        raw = {**raw, "devices": raw["device"] if isinstance(raw["device"], list) else [raw["device"]]}
+    if "devices" not in raw:
+        raise PiperDirectiveError(i, raw, "place needs 'devices'", 'add "devices": [rank, ...]')
+    stream = _check_type(i, raw, "stream", (str,), "a string") if raw.get("stream") is not None else None
+    return Place(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=_devices(i, raw),
+                 stream=stream)
+
+
+def _parse_split(i: int, raw: dict) -> Split:
+    _allowed(i, raw, {"filter", "num_microbatches", "dim_name", "dim"})
+    if "num_microbatches" not in raw:
+        raise PiperDirectiveError(i, raw, "split needs 'num_microbatches'", 'add "num_microbatches": 4')
+    m = _check_type(i, raw, "num_microbatches", (int,), "a positive int")
+    if m < 1:
+        raise PiperDirectiveError(i, raw, f"num_microbatches must be >= 1, got {m}", "use a positive count")
+    dim = _check_type(i, raw, "dim", (int,), "an int") if "dim" in raw else 0
+    if dim != 0:
+        raise PiperDirectiveError(i, raw, f"split along dim {dim} is not supported", "split the batch along dim 0")
+    name = _check_type(i, raw, "dim_name", (str,), "a string") if "dim_name" in raw else "MB"
+    return Split(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), num_microbatches=m,
+                 dim_name=name, dim=dim)
+
+
+def _parse_replicate(i: int, raw: dict) -> Replicate:
+    _allowed(i, raw, {"filter", "devices", "reduce_stream", "gather_stream", "bucket_size", "bucket_mb", "zero",
+                      "shard_grads", "shard_params"})
+    zero = _check_type(i, raw, "zero", (int,), "0, 1, 2 or 3") if "zero" in raw else 0
+    if raw.get("shard_params"):
+        zero = max(zero, 3)
+    elif raw.get("shard_grads"):
+        zero = max(zero, 2)
+    if zero not in (0, 1, 2, 3):
+        raise PiperDirectiveError(i, raw, f"zero must be 0, 1, 2 or 3, got {zero}", "pick a ZeRO stage 0-3")
+    if zero != 0:
+        raise PiperDirectiveError(i, raw, f"zero={zero} (sharded optimizer/gradients/parameters) is not built yet",
+                                  "use zero=0 (plain data parallel) for now")
+    bkey = "bucket_size" if "bucket_size" in raw else "bucket_mb"
+    bucket = float(_check_type(i, raw, bkey, (int, float), "a size in MB")) if bkey in raw else 25.0
+    if bucket <= 0:
+        raise PiperDirectiveError(i, raw, f"{bkey} must be > 0 MB, got {bucket}", "use e.g. 25")
+    devices = _devices(i, raw) if raw.get("devices") is not None else None
+    streams = {k: _check_type(i, raw, k, (str,), "a string") for k in ("reduce_stream", "gather_stream") if k in raw}
+    return Replicate(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices,
+                     bucket_size=bucket, zero=zero, **streams)
+
+
+def _parse_order(i: int, raw: dict) -> Order:
+    _allowed(i, raw, {"filters"})
+    groups = raw.get("filters")
+    if not isinstance(groups, list) or len(groups) < 1:
+        raise PiperDirectiveError(i, raw, "order needs 'filters': a list of groups of filters",
+                                  'write "filters": [[{"PP": 0, "MB": 0, "PASS": "F"}], [...]]')
+    out: list[tuple[Filter, ...]] = []
+    for gi, group in enumerate(groups):
+        if isinstance(group, dict):
+            group = [group]
+        if not isinstance(group, list) or not group:
+            raise PiperDirectiveError(i, raw, f"filters[{gi}] must be a non-empty list of filters, got {group!r}",
+                                      "wrap each step in a list: [[{...}], [{...}]]")
+        out.append(tuple(_filter(i, raw, f, where=f"filters[{gi}]") for f in group))
+    return Order(index=i, raw=raw, filters=tuple(out))
+
+
+_PARSERS = {"place": _parse_place, "split": _parse_split, "replicate": _parse_replicate, "order": _parse_order}
+
+
+def parse_directive(i: int, raw: Any) -> Directive:
+    """Validate one directive (dict or record) and return its typed record."""
+    if isinstance(raw, Directive):
+        raw = raw.to_json()
+    if hasattr(raw, "to_json") and not isinstance(raw, dict):
+        raw = raw.to_json()
+    if not isinstance(raw, dict):
+        raise PiperDirectiveError(i, raw, f"a directive must be a JSON object, got {type(raw).__name__}",
+                                  'write {"op": "place", ...}')
+    op = raw.get("op")
+    if op in _FUTURE:
+        raise PiperDirectiveError(i, raw, f"op {op!r} is not built yet", f"use one of {sorted(_KNOWN)}")
+    if op not in _PARSERS:
+        raise PiperDirectiveError(i, raw, f"unknown op {op!r}", f"use one of {sorted(_KNOWN)}")
+    return _PARSERS[op](i, dict(raw))
+
+
+def load_directives(source: Any) -> list[Any]:
+    """Accept a list (of dicts or builders), a JSON string/path, or None."""
+    if source is None:
+        return []
+    if isinstance(source, (str, os.PathLike)):
+        text = str(source)
+        if os.path.exists(text):
+            with open(text) as f:
+                try:
+                    source = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise PiperDirectiveError(None, text, f"the file is not valid JSON ({e})",
+                                              "fix the JSON syntax") from None
+        else:
+            try:
+                source = json.loads(text)
+            except json.JSONDecodeError:
+                raise PiperDirectiveError(None, text, "is neither an existing JSON file nor JSON text",
+                                          "pass a list of directives or the path of a JSON file") from None
+    if isinstance(source, dict) and "directives" in source:
+        source = source["directives"]
+    if not isinstance(source, (list, tuple)):
+        raise PiperDirectiveError(None, source, f"directives must be a list, got {type(source).__name__}",
+                                  "pass a list of directive dicts")
+    flat: list[Any] = []
+    for item in source:
+        if isinstance(item, (list, tuple)):
+            flat.extend(item)
+        else:
+            flat.append(item)
+    return flat
+
+
+def parse_directives(source: Any) -> list[Directive]:
+    return [parse_directive(i, raw) for i, raw in enumerate(load_directives(source))]
+
+
+def filter_matches(flt: Filter, tags: dict[str, Any]) -> bool:
+    """A filter matches when every key is present with an equal value ("*" = any value)."""
+    for k, v in flt.items():
+        if k not in tags:
+            return False
+        if v != ANY and tags[k] != v:
+            return False
+    return True
+
+
+def filter_keys(directives: Iterable[Directive]) -> set[str]:
+    keys: set[str] = set()
+    for d in directives:
+        if isinstance(d, Order):
+            for g in d.filters:
+                for f in g:
+                    keys.update(f)
+        else:
+            keys.update(getattr(d, "filter", {}))
+    return keys

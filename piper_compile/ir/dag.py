@@ -1,0 +1,319 @@
+"""TrainingDAG: nodes are compute and communication steps of one training step, edges carry tensors
+(data edges, derived from value names) or only order (order edges).
+
+A node is a small frozen record. Values are named strings; a value has exactly one producer node or
+is *external* (parameters, user inputs, the loss seed), which the runtime provides on every rank that
+needs it. The DAG prints as one line per node and parses back (see ``to_text`` / ``parse_dag``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterable, Iterator
+
+TagValue = int | str
+Tags = tuple[tuple[str, TagValue], ...]
+Attrs = tuple[tuple[str, Any], ...]
+
+
+class Kind(Enum):
+    """Node kinds. COMPUTE runs a compiled segment; the others move or reduce tensors."""
+
+    COMPUTE = "COMPUTE"
+    SEND = "SEND"
+    RECV = "RECV"
+    ALL_REDUCE = "ALL_REDUCE"
+    REDUCE_SCATTER = "REDUCE_SCATTER"
+    ALL_GATHER = "ALL_GATHER"
+    ALL_TO_ALL = "ALL_TO_ALL"
+    BROADCAST = "BROADCAST"
+    UPDATE = "UPDATE"
+    FREE = "FREE"
+
+    @property
+    def is_comm(self) -> bool:
+        return self in _COMM_KINDS
+
+    @property
+    def is_collective(self) -> bool:
+        return self in _COLLECTIVE_KINDS
+
+
+_COLLECTIVE_KINDS = frozenset(
+    {Kind.ALL_REDUCE, Kind.REDUCE_SCATTER, Kind.ALL_GATHER, Kind.ALL_TO_ALL, Kind.BROADCAST}
+)
+_COMM_KINDS = _COLLECTIVE_KINDS | {Kind.SEND, Kind.RECV}
+
+
+def make_tags(d: dict[str, TagValue]) -> Tags:
+    """Canonical (sorted) tuple form of a tag dict."""
+    return tuple(sorted(d.items()))
+
+
+def format_tags(tags: Tags | dict[str, TagValue]) -> str:
+    items = tags.items() if isinstance(tags, dict) else tags
+    return ",".join(f"{k}:{v}" for k, v in items) or "-"
+
+
+def _parse_tags(text: str) -> Tags:
+    if text == "-":
+        return ()
+    out: list[tuple[str, TagValue]] = []
+    for item in text.split(","):
+        k, v = item.split(":", 1)
+        out.append((k, int(v) if v.lstrip("-").isdigit() else v))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One step of the training DAG, run SPMD-style by every rank in ``devices``."""
+
+    name: str
+    kind: Kind
+    tags: Tags = ()
+    devices: tuple[int, ...] = ()
+    stream: str = "compute"
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    attrs: Attrs = ()
+
+    def tag(self, key: str, default: Any = None) -> Any:
+        for k, v in self.tags:
+            if k == key:
+                return v
+        return default
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def tag_dict(self) -> dict[str, TagValue]:
+        return dict(self.tags)
+
+    def with_(self, **changes: Any) -> "Node":
+        return dataclasses.replace(self, **changes)
+
+    def with_attrs(self, **changes: Any) -> "Node":
+        d = dict(self.attrs)
+        d.update(changes)
+        return dataclasses.replace(self, attrs=tuple(sorted(d.items())))
+
+    def short(self) -> str:
+        """Compact label used in per-rank program listings, e.g. ``F1.mb3`` or ``SEND.x->r2``."""
+        if self.kind is Kind.COMPUTE:
+            region = self.attr("region_label", "")
+            mb = self.tag("MB")
+            return f"{self.tag('PASS', '?')}{region}" + ("" if mb is None else f".mb{mb}")
+        return self.name
+
+    def to_text(self) -> str:
+        dev = ",".join(map(str, self.devices)) or "-"
+        attrs = json.dumps(dict(self.attrs), sort_keys=True, separators=(",", ":"))
+        return (
+            f"{self.kind.value} {self.name} dev={dev} stream={self.stream} tags={format_tags(self.tags)} "
+            f"in={','.join(self.inputs) or '-'} out={','.join(self.outputs) or '-'} attrs={attrs}"
+        )
+
+
+def _tuplify(x: Any) -> Any:
+    if isinstance(x, list):
+        return tuple(_tuplify(v) for v in x)
+    return x
+
+
+def parse_node(line: str) -> Node:
+    """Inverse of ``Node.to_text``."""
+    head, attrs_text = line.split(" attrs=", 1)
+    kind, name, dev, stream, tags, ins, outs = head.split(" ")
+
+    def field_(text: str, key: str) -> str:
+        assert text.startswith(key + "="), (text, key)
+        return text[len(key) + 1 :]
+
+    def names(text: str) -> tuple[str, ...]:
+        return () if text == "-" else tuple(text.split(","))
+
+    d = field_(dev, "dev")
+    attrs = {k: _tuplify(v) for k, v in json.loads(attrs_text).items()}
+    return Node(
+        name=name,
+        kind=Kind(kind),
+        tags=_parse_tags(field_(tags, "tags")),
+        devices=() if d == "-" else tuple(int(x) for x in d.split(",")),
+        stream=field_(stream, "stream"),
+        inputs=names(field_(ins, "in")),
+        outputs=names(field_(outs, "out")),
+        attrs=tuple(sorted(attrs.items())),
+    )
+
+
+@dataclass
+class TrainingDAG:
+    """The global DAG of one training step. Nodes keep insertion order (used as a stable tie-break)."""
+
+    nodes: dict[str, Node] = field(default_factory=dict)
+    order_edges: set[tuple[str, str]] = field(default_factory=set)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- construction -------------------------------------------------------------------------
+    def add(self, node: Node) -> Node:
+        if node.name in self.nodes:
+            raise ValueError(f"duplicate DAG node {node.name}")
+        self.nodes[node.name] = node
+        return node
+
+    def replace(self, node: Node) -> None:
+        assert node.name in self.nodes, node.name
+        self.nodes[node.name] = node
+
+    def remove(self, name: str) -> None:
+        del self.nodes[name]
+        self.order_edges = {(a, b) for a, b in self.order_edges if name not in (a, b)}
+
+    def add_order(self, before: str, after: str) -> None:
+        assert before in self.nodes and after in self.nodes, (before, after)
+        if before != after:
+            self.order_edges.add((before, after))
+
+    def copy(self) -> "TrainingDAG":
+        return TrainingDAG(dict(self.nodes), set(self.order_edges), dict(self.meta))
+
+    # -- queries ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes.values())
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def of_kind(self, *kinds: Kind) -> list[Node]:
+        return [n for n in self.nodes.values() if n.kind in kinds]
+
+    def producers(self) -> dict[str, str]:
+        """value name -> producing node name."""
+        out: dict[str, str] = {}
+        for n in self.nodes.values():
+            for v in n.outputs:
+                if v in out:
+                    raise ValueError(f"value {v} produced by both {out[v]} and {n.name}")
+                out[v] = n.name
+        return out
+
+    def consumers(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = defaultdict(list)
+        for n in self.nodes.values():
+            for v in n.inputs:
+                out[v].append(n.name)
+        return out
+
+    def data_edges(self) -> list[tuple[str, str, str]]:
+        """(producer, consumer, value) for every value with a producer."""
+        prod = self.producers()
+        return [(prod[v], n.name, v) for n in self.nodes.values() for v in n.inputs if v in prod]
+
+    def predecessors(self) -> dict[str, set[str]]:
+        preds: dict[str, set[str]] = {name: set() for name in self.nodes}
+        for a, b, _ in self.data_edges():
+            preds[b].add(a)
+        for a, b in self.order_edges:
+            preds[b].add(a)
+        return preds
+
+    def external_values(self) -> set[str]:
+        prod = self.producers()
+        return {v for n in self.nodes.values() for v in n.inputs if v not in prod}
+
+    def find_cycle(self) -> list[str] | None:
+        """A list of node names forming a cycle, or None if the DAG is acyclic."""
+        preds = self.predecessors()
+        succs: dict[str, list[str]] = defaultdict(list)
+        for b, ps in preds.items():
+            for a in ps:
+                succs[a].append(b)
+        color: dict[str, int] = {}
+        for root in self.nodes:
+            if root in color:
+                continue
+            stack: list[tuple[str, Iterator[str]]] = [(root, iter(succs[root]))]
+            path = [root]
+            color[root] = 1
+            while stack:
+                node, it = stack[-1]
+                nxt = next(it, None)
+                if nxt is None:
+                    color[node] = 2
+                    stack.pop()
+                    path.pop()
+                elif color.get(nxt) == 1:
+                    return path[path.index(nxt) :] + [nxt]
+                elif nxt not in color:
+                    color[nxt] = 1
+                    stack.append((nxt, iter(succs[nxt])))
+                    path.append(nxt)
+        return None
+
+    def topo_order(self, key: Any = None) -> list[str]:
+        """Topological order; among ready nodes the smallest ``key(node)`` goes first
+        (default: insertion order)."""
+        import heapq
+
+        index = {name: i for i, name in enumerate(self.nodes)}
+        keyf = key or (lambda n: 0)
+        preds = self.predecessors()
+        indeg = {n: len(p) for n, p in preds.items()}
+        succs: dict[str, list[str]] = defaultdict(list)
+        for b, ps in preds.items():
+            for a in ps:
+                succs[a].append(b)
+        heap = [(keyf(self.nodes[n]), index[n], n) for n, d in indeg.items() if d == 0]
+        heapq.heapify(heap)
+        out: list[str] = []
+        while heap:
+            _, _, n = heapq.heappop(heap)
+            out.append(n)
+            for s in succs[n]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    heapq.heappush(heap, (keyf(self.nodes[s]), index[s], s))
+        if len(out) != len(self.nodes):
+            raise ValueError(f"DAG has a cycle: {' -> '.join(self.find_cycle() or [])}")
+        return out
+
+    # -- text form ----------------------------------------------------------------------------
+    def to_text(self) -> str:
+        lines = [n.to_text() for n in self.nodes.values()]
+        lines += [f"ORDER {a} -> {b}" for a, b in sorted(self.order_edges)]
+        return "\n".join(lines) + "\n"
+
+    def summary(self) -> str:
+        counts: dict[str, int] = defaultdict(int)
+        for n in self.nodes.values():
+            counts[n.kind.value] += 1
+        return ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) + f", ORDER={len(self.order_edges)}"
+
+
+def parse_dag(text: str) -> TrainingDAG:
+    """Inverse of ``TrainingDAG.to_text`` (meta is not part of the text form)."""
+    dag = TrainingDAG()
+    orders: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("ORDER "):
+            a, b = line[len("ORDER ") :].split(" -> ")
+            orders.append((a, b))
+        else:
+            dag.add(parse_node(line))
+    for a, b in orders:
+        dag.add_order(a, b)
+    return dag
+
+
+def nodes_matching(dag: TrainingDAG, pred: Any) -> Iterable[Node]:
+    return [n for n in dag.nodes.values() if pred(n)]

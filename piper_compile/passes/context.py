@@ -1,0 +1,37 @@
+"""What passes know about the captured model and the launch (world size, batch, parameter sizes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+
+from piper_compile.capture.segments import Segment
+
+
+@dataclass
+class PassContext:
+    world_size: int
+    segments: dict[str, Segment]
+    batched_values: set[str]  # external values that are sliced per micro-batch
+    batch_symbol: str | None  # name of the batch-size symbol ("s77"), None if static
+    batch_size: int  # batch size seen at capture
+    param_bytes: dict[str, int]  # fqn -> bytes
+    forward_only: bool = False
+    static_batch_op: str | None = None  # the op that hard-codes the batch size, if found
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def is_batched(self, value: str) -> bool:
+        if value in self.batched_values:
+            return True
+        if value.startswith("symexpr:") and self.batch_symbol is not None:
+            expr = sympy.sympify(value[len("symexpr:"):].replace(";", ","))
+            return sympy.Symbol(self.batch_symbol) in expr.free_symbols
+        return False
+
+    @property
+    def world(self) -> tuple[int, ...]:
+        return tuple(range(self.world_size))
+
+    def tag_keys(self, dag: Any) -> set[str]:
+        return {k for n in dag for k, _ in n.tags}

@@ -1,0 +1,149 @@
+"""One pass per directive: place, split, replicate, order. Each validates its input and raises
+``PiperDirectiveError`` (directive index + JSON, what is wrong, how to fix it)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from piper_compile.directives.spec import ANY, Directive, Filter, Order, Place, Replicate, Split, filter_matches
+from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.passes.context import PassContext
+
+
+def _compute(dag: TrainingDAG) -> list[Node]:
+    return dag.of_kind(Kind.COMPUTE)
+
+
+def _regions_text(dag: TrainingDAG) -> str:
+    seen: list[str] = []
+    for n in _compute(dag):
+        t = ",".join(f"{k}={v}" for k, v in n.tags if k != "PASS" and k != dag.meta.get("mb_tag"))
+        t = "{" + t + "}"
+        if t not in seen:
+            seen.append(t)
+    return ", ".join(seen)
+
+
+def match(dag: TrainingDAG, d: Directive, flt: Filter, ctx: PassContext, allow_empty: bool = False) -> list[Node]:
+    """COMPUTE nodes matched by ``flt``; unknown tags and empty matches are errors."""
+    known = ctx.tag_keys(dag)
+    unknown = sorted(set(flt) - known)
+    if unknown:
+        mb_tag = dag.meta.get("mb_tag", "MB")
+        hint = (f" ({mb_tag!r} exists only after a split directive; put split before this directive)"
+                if mb_tag in unknown else "")
+        raise d.error(f"filter {flt} uses tag(s) {unknown} that no part of the model has{hint}; "
+                      f"the model's tags are {sorted(known)}",
+                      "annotate the model with that tag (piper.annotate) or fix the filter's tag name")
+    nodes = [n for n in _compute(dag) if filter_matches(flt, n.tag_dict)]
+    if not nodes and not allow_empty:
+        raise d.error(f"filter {flt} matches no region; the model's regions are {_regions_text(dag)}",
+                      "use a tag index that the model has, or '*'")
+    return nodes
+
+
+def apply_place(dag: TrainingDAG, d: Place, ctx: PassContext) -> TrainingDAG:
+    bad = [r for r in d.devices if r >= ctx.world_size]
+    if bad:
+        raise d.error(f"rank(s) {bad} are outside the world of {ctx.world_size} rank(s) (0..{ctx.world_size - 1})",
+                      f"place on ranks below {ctx.world_size}, or launch with more processes")
+    for n in match(dag, d, d.filter, ctx):
+        dag.replace(n.with_(devices=tuple(d.devices)).with_attrs(placed_by=d.index, p2p_stream=d.stream or ""))
+    return dag
+
+
+def apply_replicate(dag: TrainingDAG, d: Replicate, ctx: PassContext) -> TrainingDAG:
+    if d.devices is not None:
+        bad = [r for r in d.devices if r >= ctx.world_size]
+        if bad:
+            raise d.error(f"rank(s) {bad} are outside the world of {ctx.world_size} rank(s)",
+                          f"replicate over ranks below {ctx.world_size}")
+    for n in match(dag, d, d.filter, ctx):
+        devices = n.devices
+        if d.devices is not None:
+            if devices and tuple(sorted(devices)) != tuple(sorted(d.devices)):
+                raise d.error(f"region {n.name} is placed on ranks {list(devices)} but replicate names "
+                              f"{list(d.devices)}", "replicate over the ranks the region is placed on "
+                              "(or leave out 'devices')")
+            devices = tuple(d.devices)
+        dag.replace(n.with_(devices=devices).with_attrs(
+            replicated=True, reduce_stream=d.reduce_stream, bucket_mb=d.bucket_size, replicated_by=d.index))
+    return dag
+
+
+def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
+    if "split" in dag.meta:
+        raise d.error("the model is already split into micro-batches", "give one split directive")
+    nodes = match(dag, d, d.filter, ctx)
+    missing = [n.name for n in _compute(dag) if n not in nodes]
+    if missing:
+        raise d.error(f"split covers only part of the model (not {missing})",
+                      "split the whole model: use an empty filter {}")
+    m = d.num_microbatches
+    if m > 1 and ctx.batch_symbol is None:
+        where = f" The graph fixes it at {ctx.static_batch_op}." if ctx.static_batch_op else ""
+        raise d.error(
+            f"the captured graph has a static batch size {ctx.batch_size}, so it cannot run on micro-batches of "
+            f"{ctx.batch_size // m if m else '?'}.{where}",
+            "compile with dynamic=True (or torch._dynamo.mark_dynamic(x, 0)) and write the model with "
+            "x.shape[0] / -1 instead of a literal batch size")
+    if ctx.batch_size and ctx.batch_size % m:
+        raise d.error(f"the local batch of {ctx.batch_size} does not divide into {m} micro-batches",
+                      f"use a batch size that is a multiple of {m}, or a micro-batch count that divides it")
+    out = TrainingDAG(meta=dict(dag.meta))
+    produced = set(dag.producers())
+
+    def rename(v: str, k: int) -> str:
+        return f"{v}@mb{k}" if (v in produced or ctx.is_batched(v)) else v
+
+    for n in dag:
+        for k in range(m):
+            attrs = dict(n.attrs)
+            attrs["mb"] = k
+            if "loss" in attrs:
+                attrs["loss"] = rename(attrs["loss"], k)
+            if "grads" in attrs:
+                attrs["grads"] = tuple((rename(v, k), fqn) for v, fqn in attrs["grads"])
+            out.add(n.with_(name=f"{n.name}.mb{k}", tags=tuple(sorted({**n.tag_dict, d.dim_name: k}.items())),
+                            inputs=tuple(rename(v, k) for v in n.inputs),
+                            outputs=tuple(rename(v, k) for v in n.outputs), attrs=tuple(sorted(attrs.items()))))
+    for a, b in dag.order_edges:
+        for k in range(m):
+            out.add_order(f"{a}.mb{k}", f"{b}.mb{k}")
+    out.meta.update(split=m, mb_tag=d.dim_name)
+    return out
+
+
+def apply_order(dag: TrainingDAG, d: Order, ctx: PassContext) -> TrainingDAG:
+    groups: list[list[Node]] = []
+    for flts in d.filters:
+        nodes: list[Node] = []
+        for f in flts:
+            if ctx.forward_only and f.get("PASS") not in (None, ANY, "F"):
+                continue
+            for n in match(dag, d, f, ctx, allow_empty=ctx.forward_only):
+                if n not in nodes:
+                    nodes.append(n)
+        if nodes:
+            groups.append(nodes)
+    devs = {n.devices for g in groups for n in g}
+    if len(devs) > 1:
+        raise d.error(f"order spans regions on different device groups {sorted(map(list, devs))}; order edges "
+                      "only sequence work on one device group", "write one order directive per device group "
+                      "(cross-device order follows from the data and the sends/receives)")
+    by = dag.meta.setdefault("order_by", {})
+    for before, after in zip(groups, groups[1:]):
+        for a in before:
+            for b in after:
+                dag.add_order(a.name, b.name)
+                by[(a.name, b.name)] = d.index
+    cycle = dag.find_cycle()
+    if cycle:
+        raise d.error(f"the order forms a cycle: {' -> '.join(cycle)} (a step would have to run before "
+                      "itself, e.g. a backward before its forward or a later stage's data)",
+                      "order steps consistently with the data flow (F before B of the same micro-batch)")
+    return dag
+
+
+DIRECTIVE_PASSES: dict[type, Callable[[TrainingDAG, Directive, PassContext], TrainingDAG]] = {
+    Place: apply_place, Split: apply_split, Replicate: apply_replicate, Order: apply_order,  # type: ignore
+}

@@ -1,0 +1,36 @@
+"""Invariants every lowered DAG keeps (listed in passes/README.md); violations are internal errors."""
+from __future__ import annotations
+
+from collections import Counter
+
+from piper_compile.errors import PiperError
+from piper_compile.ir.dag import Kind, TrainingDAG
+from piper_compile.passes.context import PassContext
+
+
+def check_invariants(dag: TrainingDAG, ctx: PassContext) -> None:
+    def fail(msg: str) -> None:
+        raise PiperError(f"piper: internal: the lowered DAG breaks an invariant: {msg}")
+
+    cycle = dag.find_cycle()
+    if cycle:
+        fail(f"cycle {' -> '.join(cycle)}")
+    prod = dag.producers()  # raises on a value with two producers
+    for n in dag:
+        if not n.devices:
+            fail(f"{n.name} is not placed")
+        for v in n.inputs:
+            p = dag.nodes.get(prod.get(v, ""))
+            if p is not None and p.devices != n.devices:
+                fail(f"{n.name} reads {v} from {p.name} on other ranks without a SEND/RECV")
+    sends = Counter(n.attr("msg") for n in dag.of_kind(Kind.SEND))
+    recvs = Counter(n.attr("msg") for n in dag.of_kind(Kind.RECV))
+    if sends != recvs:
+        fail(f"unmatched SEND/RECV messages {sorted((sends - recvs) + (recvs - sends))}")
+    if not ctx.forward_only:
+        updated = Counter(p for n in dag.of_kind(Kind.UPDATE) for p in n.attr("params", ()) for _ in n.devices)
+        for n in dag.of_kind(Kind.UPDATE):
+            dup = [p for p in n.attr("params", ()) if list(n.attr("params")).count(p) > 1]
+            if dup:
+                fail(f"{n.name} updates {dup} twice")
+        del updated

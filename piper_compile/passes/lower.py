@@ -1,0 +1,207 @@
+"""Lowering passes run after the user's directives: default placement, SEND/RECV on cross-group
+edges, bucketed gradient reduction, tied-parameter gradient transfer, optimizer updates, loss reduce."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from piper_compile.errors import PiperDirectiveError, PiperError
+from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
+from piper_compile.passes.context import PassContext
+
+P2P_FWD, P2P_BWD, P2P_GRAD, LOSS_STREAM = "pp_fwd", "pp_bwd", "pp_grad", "loss"
+
+
+def group_label(devices: tuple[int, ...]) -> str:
+    return "r" + "_".join(map(str, devices))
+
+
+def lower_placement(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
+    """Unplaced work runs on every rank; a multi-rank group must be replicated; groups have one size."""
+    for n in list(dag):
+        if n.kind is Kind.COMPUTE and not n.devices:
+            dag.replace(n.with_(devices=ctx.world))
+    sizes: set[int] = set()
+    for n in dag.of_kind(Kind.COMPUTE):
+        sizes.add(len(n.devices))
+        if len(n.devices) > 1 and not n.attr("replicated"):
+            idx = n.attr("placed_by")
+            how = f"place directive #{idx} puts it" if idx is not None else "with no place directive it runs"
+            raise PiperDirectiveError(
+                idx, {"region": n.name}, f"{n.name} runs on {len(n.devices)} ranks {list(n.devices)} ({how} on a "
+                "group) but no replicate directive covers it, so the replicas would train apart",
+                'add {"op": "replicate", "filter": {...}} for it, or place it on a single rank')
+    if len(sizes) > 1:
+        raise PiperDirectiveError(None, {"group_sizes": sorted(sizes)},
+                                  f"regions are placed on device groups of different sizes {sorted(sizes)}",
+                                  "give every stage the same number of data-parallel replicas")
+    used = {r for n in dag.of_kind(Kind.COMPUTE) for r in n.devices}
+    idle = sorted(set(ctx.world) - used)
+    if idle:
+        raise PiperDirectiveError(None, {"world_size": ctx.world_size},
+                                  f"the directives use ranks {sorted(used)} but the world has {ctx.world_size} ranks "
+                                  f"(ranks {idle} would idle and wait forever)",
+                                  f"launch {len(used)} processes, or place work on every rank")
+    _check_order_devices(dag)
+    return dag
+
+
+def _check_order_devices(dag: TrainingDAG) -> None:
+    for (a, b), idx in dag.meta.get("order_by", {}).items():
+        if a in dag.nodes and b in dag.nodes and dag.nodes[a].devices != dag.nodes[b].devices:
+            raise PiperDirectiveError(idx, {"order": [a, b]}, f"orders {a} (ranks {list(dag.nodes[a].devices)}) "
+                                      f"before {b} (ranks {list(dag.nodes[b].devices)}): different device groups",
+                                      "order only work placed on the same ranks")
+
+
+def _recv_meta(ctx: PassContext, producer: Node, value: str) -> tuple[tuple[str, ...], str]:
+    seg = ctx.segments[producer.attr("segment")]
+    base = value.rsplit("@mb", 1)[0]
+    return seg.out_meta[base]
+
+
+def insert_p2p(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
+    """Every value consumed on another device group travels by one SEND/RECV pair per target group."""
+    prod = dag.producers()
+    renames: dict[tuple[str, tuple[int, ...]], str] = {}
+    for consumer in list(dag.of_kind(Kind.COMPUTE)):
+        new_inputs = list(consumer.inputs)
+        for i, v in enumerate(consumer.inputs):
+            p = dag.nodes.get(prod.get(v, ""))
+            if p is None or p.devices == consumer.devices:
+                continue
+            if set(p.devices) & set(consumer.devices):
+                raise PiperError(f"piper: {p.name} (ranks {list(p.devices)}) feeds {consumer.name} (ranks "
+                                 f"{list(consumer.devices)}): device groups that overlap partly cannot exchange "
+                                 "data; place stages on disjoint rank groups")
+            key = (v, consumer.devices)
+            if key not in renames:
+                renames[key] = _add_send_recv(dag, ctx, p, consumer, v)
+            new_inputs[i] = renames[key]
+        if new_inputs != list(consumer.inputs):
+            dag.replace(consumer.with_(inputs=tuple(new_inputs)))
+    return dag
+
+
+def _add_send_recv(dag: TrainingDAG, ctx: PassContext, p: Node, c: Node, v: str) -> str:
+    stream = c.attr("p2p_stream") or (P2P_FWD if p.tag("PASS") == "F" else P2P_BWD)
+    dst, src = group_label(c.devices), group_label(p.devices)
+    shape, dtype = _recv_meta(ctx, p, v)
+    out = f"{v}>{dst}"
+    tags = tuple((k, val) for k, val in p.tags)
+    send = Node(f"SEND.{v}>{dst}", Kind.SEND, tags, p.devices, stream, (v,), (),
+                tuple(sorted({"dst": c.devices, "msg": out, "mb": p.attr("mb", 0)}.items())))
+    recv = Node(f"RECV.{v}>{dst}", Kind.RECV, tags, c.devices, stream, (), (out,),
+                tuple(sorted({"src": p.devices, "msg": out, "shape": shape, "dtype": dtype,
+                              "mb": p.attr("mb", 0)}.items())))
+    dag.add(send)
+    dag.add(recv)
+    dag.meta.setdefault("sends", []).append((send.name, recv.name, src))
+    return out
+
+
+def _grad_writers(dag: TrainingDAG) -> dict[str, list[Node]]:
+    writers: dict[str, list[Node]] = defaultdict(list)
+    for n in dag.of_kind(Kind.COMPUTE):
+        for _, fqn in n.attr("grads", ()) or ():
+            writers[fqn].append(n)
+    return writers
+
+
+def _holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
+    holders: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for n in dag.of_kind(Kind.COMPUTE):
+        for v in n.inputs:
+            if v.startswith("param:"):
+                holders[v[len("param:"):]].add(n.devices)
+    return holders
+
+
+def _buckets(params: list[str], ctx: PassContext, cap_mb: float) -> list[list[str]]:
+    cap = cap_mb * 1024 * 1024
+    out: list[list[str]] = []
+    size = 0.0
+    for p in params:
+        if not out or size + ctx.param_bytes[p] > cap and out[-1]:
+            out.append([])
+            size = 0.0
+        out[-1].append(p)
+        size += ctx.param_bytes[p]
+    return out
+
+
+def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
+    """Bucketed ALL_REDUCE per replicated group (once per step, after the bucket's last backward),
+    tied-gradient SEND/RECV to the other holders, and one UPDATE per device group."""
+    if ctx.forward_only:
+        return dag
+    writers = _grad_writers(dag)
+    holders = _holders(dag)
+    index = {name: i for i, name in enumerate(dag.nodes)}
+    by_group: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for fqn, ws in writers.items():
+        groups = {w.devices for w in ws}
+        assert len(groups) == 1, (fqn, groups)
+        by_group[next(iter(groups))].append(fqn)
+    ready_after: dict[str, list[str]] = {}  # fqn -> nodes after which its final gradient is ready
+    update_deps: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for group, fqns in by_group.items():
+        # Bucket in the order gradients finish: by the position of the last backward writing them.
+        fqns.sort(key=lambda f: max(index[w.name] for w in writers[f]))
+        w0 = writers[fqns[0]][0]
+        if len(group) > 1:
+            for b, bucket in enumerate(_buckets(fqns, ctx, w0.attr("bucket_mb", 25.0))):
+                ar = Node(f"AR.{group_label(group)}.b{b}", Kind.ALL_REDUCE, make_tags({"BUCKET": b}), group,
+                          w0.attr("reduce_stream", "dp"), (), (),
+                          tuple(sorted({"params": tuple(bucket), "purpose": "grad"}.items())))
+                dag.add(ar)
+                for f in bucket:
+                    for w in writers[f]:
+                        dag.add_order(w.name, ar.name)
+                    ready_after[f] = [ar.name]
+                update_deps[group].append(ar.name)
+        else:
+            for f in fqns:
+                ready_after[f] = [w.name for w in writers[f]]
+                update_deps[group].extend(ready_after[f])
+    for fqn, groups in holders.items():
+        if fqn not in writers:
+            continue
+        src = next(iter({w.devices for w in writers[fqn]}))
+        for dst in sorted(groups - {src}):
+            msg = f"grad:{fqn}>{group_label(dst)}"
+            send = dag.add(Node(f"SEND.{msg}", Kind.SEND, (), src, P2P_GRAD, (), (),
+                                tuple(sorted({"dst": dst, "msg": msg, "state": fqn, "mb": 0}.items()))))
+            recv = dag.add(Node(f"RECV.{msg}", Kind.RECV, (), dst, P2P_GRAD, (), (),
+                                tuple(sorted({"src": src, "msg": msg, "state": fqn, "mb": 0}.items()))))
+            for r in ready_after[fqn]:
+                dag.add_order(r, send.name)
+            update_deps[dst].append(recv.name)
+    for group in sorted({n.devices for n in dag.of_kind(Kind.COMPUTE)}):
+        params = sorted(f for f, gs in holders.items() if group in gs and f in writers)
+        params += sorted(f for f in by_group.get(group, []) if f not in params)
+        upd = dag.add(Node(f"UPD.{group_label(group)}", Kind.UPDATE, (), group, "compute", (), (),
+                           (("params", tuple(params)),)))
+        for dep in update_deps[group]:
+            dag.add_order(dep, upd.name)
+        for n in dag.of_kind(Kind.COMPUTE):  # the update rewrites parameters every compute step reads
+            if n.devices == group:
+                dag.add_order(n.name, upd.name)
+    return dag
+
+
+def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
+    """The step's loss: local mean over micro-batches, then the mean over replicas on every rank."""
+    holders = [n for n in dag.of_kind(Kind.COMPUTE) if n.attr("loss")]
+    if not holders:
+        raise PiperError("piper: internal: no segment produces the loss")
+    dag.meta["loss_group"] = holders[0].devices
+    if ctx.world_size == 1:
+        return dag
+    ar = dag.add(Node("AR.loss", Kind.ALL_REDUCE, (), ctx.world, LOSS_STREAM, (), (),
+                      (("holders", holders[0].devices), ("purpose", "loss"))))
+    for n in holders:
+        dag.add_order(n.name, ar.name)
+    return dag
+
+
+LOWERING_PASSES = [lower_placement, insert_p2p, insert_grad_sync, insert_loss_reduce]

@@ -1,0 +1,153 @@
+"""Simulate all ranks' programs together before anything runs.
+
+Model (the stricter of NCCL and gloo, so a plan it accepts runs on both): each rank's host thread
+issues instructions in order; compute blocks the host until the async instructions it waits on are
+complete; communication is queued FIFO on its stream (one queue per rank and stream name); a SEND and
+its RECV complete together when both are at the head of their queues (rendezvous); a collective
+completes when it is at the head of the stream queue of every member. A state where no rank can move
+is a deadlock, reported as a rank x step grid with the stuck instruction marked.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from piper_compile.errors import PiperPlanError
+from piper_compile.ir.dag import Kind
+from piper_compile.plan.program import Instr, Program
+
+
+@dataclass
+class VerifyResult:
+    steps: int  # simulation rounds until every rank finished
+
+
+def _check_matching(programs: list[Program]) -> None:
+    sends = Counter()
+    recvs = Counter()
+    for p in programs:
+        for i in p.instrs:
+            if i.node.kind is Kind.SEND:
+                sends[(p.rank, i.peer, i.node.attr("msg"))] += 1
+            elif i.node.kind is Kind.RECV:
+                recvs[(i.peer, p.rank, i.node.attr("msg"))] += 1
+    for (src, dst, msg), c in (sends - recvs).items():
+        raise PiperPlanError(f"piper: unmatched send: rank {src} sends {msg} to rank {dst} ({c}x) but rank {dst} "
+                             "never receives it; every SEND needs a RECV on its peer (check place/order directives)")
+    for (src, dst, msg), c in (recvs - sends).items():
+        raise PiperPlanError(f"piper: unmatched receive: rank {dst} waits for {msg} from rank {src} ({c}x) but rank "
+                             f"{src} never sends it")
+
+
+def format_grid(programs: list[Program], pcs: list[int], stuck: dict[int, str], width: int = 7) -> str:
+    """Rank x step grid around the stuck positions; ``>X<`` marks each rank's stuck instruction."""
+    lo = max(0, min(pcs) - 3)
+    hi = min(max(len(p.instrs) for p in programs), max(pcs) + 4)
+    col = max(12, max((len(i.short()) for p in programs for i in p.instrs[lo:hi]), default=12) + 2)
+    head = "rank | " + "".join(f"{s:<{col}}" for s in range(lo, hi))
+    lines = [head, "-" * len(head)]
+    for p, pc in zip(programs, pcs):
+        cells = []
+        for s in range(lo, hi):
+            if s >= len(p.instrs):
+                cells.append(f"{'':<{col}}")
+                continue
+            label = p.instrs[s].short()
+            if s == pc and p.rank in stuck:
+                label = f">{label}<"
+            elif s < pc:
+                label = label  # already issued
+            cells.append(f"{label:<{col}}")
+        lines.append(f"{p.rank:>4} | " + "".join(cells))
+    lines += [f"rank {r}: {why}" for r, why in sorted(stuck.items())]
+    del width
+    return "\n".join(lines)
+
+
+def verify_programs(programs: list[Program]) -> VerifyResult:
+    """Raise ``PiperPlanError`` on an unmatched P2P, mis-ordered collectives or a deadlock."""
+    _check_matching(programs)
+    ranks = [p.rank for p in programs]
+    pcs = [0] * len(programs)
+    done: list[set[str]] = [set() for _ in programs]
+    queues: dict[tuple[int, str], deque[Instr]] = {}
+    rounds = 0
+    while True:
+        rounds += 1
+        moved = False
+        for k, p in enumerate(programs):
+            while pcs[k] < len(p.instrs):
+                ins = p.instrs[pcs[k]]
+                if not all(w in done[k] for w in ins.waits):
+                    break
+                if ins.is_async:
+                    queues.setdefault((p.rank, ins.node.stream), deque()).append(ins)
+                else:
+                    done[k].add(ins.name)
+                pcs[k] += 1
+                moved = True
+        moved |= _complete_heads(programs, ranks, queues, done)
+        if all(pc == len(p.instrs) for pc, p in zip(pcs, programs)) and not any(queues.values()):
+            return VerifyResult(rounds)
+        if not moved:
+            _deadlock(programs, pcs, queues, done)
+
+
+def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tuple[int, str], deque[Instr]],
+                    done: list[set[str]]) -> bool:
+    idx = {r: k for k, r in enumerate(ranks)}
+    moved = False
+    for (rank, stream), q in list(queues.items()):
+        if not q:
+            continue
+        head = q[0]
+        kind = head.node.kind
+        if kind in (Kind.SEND, Kind.RECV):
+            pq = queues.get((head.peer, stream))
+            want = Kind.RECV if kind is Kind.SEND else Kind.SEND
+            if pq and pq[0].node.kind is want and pq[0].node.attr("msg") == head.node.attr("msg"):
+                q.popleft()
+                other = pq.popleft()
+                done[idx[rank]].add(head.name)
+                done[idx[head.peer]].add(other.name)
+                moved = True
+        else:
+            members = head.node.devices
+            heads = [queues.get((m, stream)) for m in members]
+            if all(h and h[0].name == head.name for h in heads):
+                for m, h in zip(members, heads):
+                    h.popleft()  # type: ignore[union-attr]
+                    done[idx[m]].add(head.name)
+                moved = True
+            else:
+                others = [(m, h[0].name) for m, h in zip(members, heads) if h and h[0].node.kind.is_collective
+                          and h[0].name != head.name]
+                if others:
+                    m, name = others[0]
+                    raise PiperPlanError(
+                        f"piper: collectives issued in different orders on stream {stream!r}: rank {rank} issues "
+                        f"{head.name} while rank {m} issues {name} at the same position; every member of a group "
+                        "must issue its collectives in the same order\n"
+                        + format_grid(programs, [0] * len(programs), {}))
+    return moved
+
+
+def _deadlock(programs: list[Program], pcs: list[int], queues: dict[tuple[int, str], deque[Instr]],
+              done: list[set[str]]) -> None:
+    stuck: dict[int, str] = {}
+    marks = list(pcs)
+    for k, p in enumerate(programs):
+        if pcs[k] < len(p.instrs):
+            ins = p.instrs[pcs[k]]
+            missing = [w for w in ins.waits if w not in done[k]]
+            stuck[p.rank] = f"{ins.short()} waits for {', '.join(missing)}"
+        else:
+            pending = [q[0] for (r, _), q in queues.items() if r == p.rank and q]
+            if pending:
+                stuck[p.rank] = f"finished issuing; {pending[0].short()} never matched (stream {pending[0].node.stream})"
+                marks[k] = next(i for i, x in enumerate(p.instrs) if x.name == pending[0].name)
+                pcs[k] = marks[k]
+    raise PiperPlanError("piper: the per-rank programs deadlock (no rank can make progress):\n"
+                         + format_grid(programs, marks, stuck)
+                         + "\nFix: reorder the schedule (order directives) so that each receive's send comes first "
+                         "on the peer, or put the two directions on different streams.")

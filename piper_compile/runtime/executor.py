@@ -1,0 +1,210 @@
+"""Execute one rank's program: compute in order on the host thread, communication asynchronous on
+its stream's process group, waits placed just before the first consumer, values freed at last use.
+
+A collective or receive that does not finish within ``timeout_s`` raises ``PiperRuntimeError`` naming
+the rank, the instruction, the peer and its position in the program instead of hanging.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT, JointGraph, eval_sym
+from piper_compile.errors import PiperRuntimeError
+from piper_compile.ir.dag import Kind
+from piper_compile.plan.program import Instr, Program
+from piper_compile.runtime.groups import GroupRegistry
+from piper_compile.runtime.state import GradBuffers, TrainState
+
+
+@dataclass
+class StepStats:
+    """Counters from the last step (read by tests and benchmarks)."""
+
+    collectives: dict[str, int] = field(default_factory=dict)
+    p2p: int = 0
+    compute: int = 0
+    peak_live_bytes: int = 0
+    seconds: float = 0.0
+
+
+def _split_mb(name: str) -> tuple[str, int | None]:
+    if "@mb" in name:
+        base, mb = name.rsplit("@mb", 1)
+        return base, int(mb)
+    return name, None
+
+
+class Executor:
+    """Runs a rank's program for one step at a time."""
+
+    def __init__(self, program: Program, joint: JointGraph, segments: dict[str, Callable[[list[Any]], list[Any]]],
+                 state: TrainState, groups: GroupRegistry | None, microbatches: int, dp_degree: int,
+                 loss_group: tuple[int, ...], timeout_s: float, forward_only: bool) -> None:
+        self.program = program
+        self.joint = joint
+        self.segments = segments
+        self.state = state
+        self.groups = groups
+        self.m = microbatches
+        self.dp = dp_degree
+        self.loss_group = loss_group
+        self.timeout_s = timeout_s
+        self.forward_only = forward_only
+        self.rank = program.rank
+        self.specs = {s.value: s for s in joint.inputs}
+        self.grads = GradBuffers.for_program(program, joint) if not forward_only else None
+        self.stats = StepStats()
+
+    # -- externals -------------------------------------------------------------------------------
+    def _symbols(self, args: list[Any], mb_size: int) -> dict[str, int]:
+        vals: dict[str, int] = {}
+        for s in self.joint.inputs:
+            if s.kind == SYM and s.symbol is not None:
+                vals[str(s.symbol)] = mb_size if s.batched else int(args[s.arg_index])
+        return vals
+
+    def _external(self, name: str, args: list[Any], mb_size: int, syms: dict[str, int], dtype: torch.dtype) -> Any:
+        base, mb = _split_mb(name)
+        if base.startswith("symexpr:"):
+            return eval_sym(base[len("symexpr:"):], syms)
+        spec = self.specs.get(base)
+        if spec is None:
+            raise PiperRuntimeError(f"piper: internal: rank {self.rank} has no value {name}")
+        if spec.kind in (PARAM, BUFFER):
+            return args[spec.arg_index].detach()
+        if spec.kind == TANGENT:
+            return torch.full((), 1.0 / (self.m * self.dp), dtype=dtype, device=self.state.device)
+        if spec.kind == SYM:
+            return mb_size if spec.batched else int(args[spec.arg_index])
+        assert spec.kind == INPUT
+        x = args[spec.arg_index]
+        if spec.batched and mb is not None:
+            return x.narrow(0, mb * mb_size, mb_size)
+        return x
+
+    # -- waiting -----------------------------------------------------------------------------------
+    def _wait(self, pending: dict[str, tuple[Any, Instr, int]], name: str) -> None:
+        item = pending.pop(name, None)
+        if item is None:
+            return
+        work, ins, pos = item
+        if work is None:
+            return
+        try:
+            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - gloo raises a plain RuntimeError on timeout
+            raise self._timeout_error(ins, pos, e) from None
+        if ok is False:
+            raise self._timeout_error(ins, pos, None)
+
+    def _timeout_error(self, ins: Instr, pos: int, cause: Exception | None) -> PiperRuntimeError:
+        peer = f" with peer rank {ins.peer}" if ins.peer is not None else f" with group {list(ins.node.devices)}"
+        why = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause else ""
+        return PiperRuntimeError(
+            f"piper: rank {self.rank}: {ins.short()} (instruction {pos} of {len(self.program.instrs)}, stream "
+            f"{ins.node.stream!r}){peer} did not complete within {self.timeout_s:.0f}s{why}. The peer has likely "
+            "failed or is running a different schedule; raise options['timeout'] if the step is just slow.")
+
+    # -- one step --------------------------------------------------------------------------------
+    def run(self, args: list[Any]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        batch = self._batch_size(args)
+        mb_size = batch // self.m
+        syms = self._symbols(args, mb_size)
+        dtype = self._loss_dtype(args)
+        env: dict[str, Any] = {}
+        pending: dict[str, tuple[Any, Instr, int]] = {}
+        loss_sum = torch.zeros((), dtype=dtype, device=self.state.device)
+        result: dict[str, torch.Tensor] = {}
+        self.stats = StepStats()
+        if self.grads is not None:
+            self.grads.zero_()
+
+        def get(v: str) -> Any:
+            if v in env:
+                return env[v]
+            return self._external(v, args, mb_size, syms, dtype)
+
+        for pos, ins in enumerate(self.program.instrs):
+            for w in ins.waits:
+                self._wait(pending, w)
+            n = ins.node
+            if n.kind is Kind.COMPUTE:
+                outs = self.segments[n.attr("segment")]([get(v) for v in n.inputs])
+                env.update(zip(n.outputs, outs))
+                self.stats.compute += 1
+                if n.attr("loss"):
+                    loss_sum += env[n.attr("loss")].detach()
+                for v, fqn in (n.attr("grads") or ()) if self.grads is not None else ():
+                    self.grads.accumulate(fqn, env[v])
+            elif n.kind is Kind.SEND:
+                t = self.grads.view(n.attr("state")) if n.attr("state") else get(n.inputs[0])
+                t = t.contiguous()
+                pending[n.name] = (dist.isend(t, dst=ins.peer, group=self._group(ins)), ins, pos)
+                self.stats.p2p += 1
+            elif n.kind is Kind.RECV:
+                if n.attr("state"):
+                    buf = self.grads.view(n.attr("state"))
+                else:
+                    shape = [eval_sym(s, syms) for s in n.attr("shape")]
+                    buf = torch.empty(shape, dtype=getattr(torch, n.attr("dtype")), device=self.state.device)
+                    env[n.outputs[0]] = buf
+                pending[n.name] = (dist.irecv(buf, src=ins.peer, group=self._group(ins)), ins, pos)
+                self.stats.p2p += 1
+            elif n.kind is Kind.ALL_REDUCE:
+                pending[n.name] = (self._all_reduce(ins, loss_sum, result), ins, pos)
+            elif n.kind is Kind.UPDATE:
+                self.state.apply_update(n.attr("params"), self.grads, args, self.joint)
+            else:
+                raise PiperRuntimeError(f"piper: internal: no runtime for {n.kind}")
+            for v in ins.frees:
+                env.pop(v, None)
+            self._track_memory(env)
+        for name in list(pending):
+            self._wait(pending, name)
+        loss = result.get("loss")
+        if loss is None:  # single rank or loss computed here without a world reduce
+            loss = loss_sum / self.m
+        self.stats.seconds = time.perf_counter() - t0
+        return loss
+
+    def _all_reduce(self, ins: Instr, loss_sum: torch.Tensor, result: dict[str, torch.Tensor]) -> Any:
+        n = ins.node
+        self.stats.collectives[n.attr("purpose")] = self.stats.collectives.get(n.attr("purpose"), 0) + 1
+        if n.attr("purpose") == "loss":
+            holders = n.attr("holders")
+            t = loss_sum / (self.m * len(holders)) if self.rank in holders else torch.zeros_like(loss_sum)
+            result["loss"] = t
+        else:
+            t = self.grads.bucket(n.name)
+        if len(n.devices) == 1:
+            return None
+        return dist.all_reduce(t, group=self.groups.get(n.stream, n.devices), async_op=True)
+
+    def _group(self, ins: Instr) -> Any:
+        return self.groups.get(ins.node.stream, tuple(range(dist.get_world_size())))
+
+    def _batch_size(self, args: list[Any]) -> int:
+        for s in self.joint.inputs:
+            if s.kind == INPUT and s.batched:
+                b = int(args[s.arg_index].shape[0])
+                if b % self.m:
+                    raise PiperRuntimeError(f"piper: the local batch of {b} (input {s.name!r}) does not divide into "
+                                            f"{self.m} micro-batches; pass a batch that is a multiple of {self.m}")
+                return b
+        return self.m
+
+    def _loss_dtype(self, args: list[Any]) -> torch.dtype:
+        val = self.joint.gm.graph.find_nodes(op="output")[0].args[0][0].meta.get("val")
+        return val.dtype if isinstance(val, torch.Tensor) else torch.float32
+
+    def _track_memory(self, env: dict[str, Any]) -> None:
+        live = sum(t.untyped_storage().nbytes() for t in env.values() if isinstance(t, torch.Tensor))
+        if live > self.stats.peak_live_bytes:
+            self.stats.peak_live_bytes = live

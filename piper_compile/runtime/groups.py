@@ -1,0 +1,50 @@
+"""Process groups, one per (stream name, device group), created in the same order on every rank from
+the global DAG -- so streams do not serialise one another (on CPU: separate gloo contexts; on CUDA:
+separate NCCL communicators, each with its own CUDA stream)."""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from piper_compile.ir.dag import TrainingDAG
+
+
+def world_info() -> tuple[int, int]:
+    """(rank, world size); (0, 1) when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def group_keys(dag: TrainingDAG, world_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    keys: set[tuple[str, tuple[int, ...]]] = set()
+    for n in dag:
+        if n.kind.is_collective:
+            keys.add((n.stream, tuple(sorted(n.devices))))
+        elif n.kind.is_comm:
+            keys.add((n.stream, tuple(range(world_size))))
+    return sorted(keys)
+
+
+_GROUPS: dict[tuple[str, tuple[int, ...], str], Any] = {}
+
+
+class GroupRegistry:
+    """Lazily shared process groups keyed by (stream, ranks). Creation is collective: every rank calls
+    ``ensure`` with the same keys in the same order (the keys come from the global DAG)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def ensure(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
+        backend = dist.get_backend()
+        for stream, ranks in keys:
+            key = (stream, ranks, backend)
+            if key not in _GROUPS:
+                _GROUPS[key] = dist.new_group(list(ranks), timeout=self.timeout, backend=backend,
+                                              group_desc=f"piper:{stream}:{'_'.join(map(str, ranks))}")
+
+    def get(self, stream: str, ranks: tuple[int, ...]) -> Any:
+        return _GROUPS[(stream, tuple(sorted(ranks)), dist.get_backend())]
