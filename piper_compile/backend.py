@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from piper_compile.capture.joint import INPUT, JointGraph, capture_joint, find_batch_constant
+from piper_compile.capture.joint import INPUT, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import Directive, Replicate, parse_directives
@@ -105,6 +105,7 @@ class CompiledStep:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None) -> None:
         self.gm = gm
+        self.sources = source_names(gm)
         self.example_inputs = list(example_inputs)
         self.raw_options = options
         self._options: Options | None = None
@@ -124,7 +125,7 @@ class CompiledStep:
 
     # -- planning ----------------------------------------------------------------------------
     def _capture(self) -> None:
-        self.joint = capture_joint(self.gm, self.example_inputs)
+        self.joint = capture_joint(self.gm, self.example_inputs, self.sources)
         self.segments = {s.name: s for s in extract_segments(self.joint)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.steps.append(self)

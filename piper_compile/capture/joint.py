@@ -59,9 +59,15 @@ _KEY = re.compile(r"\['([^']+)'\]|\[(\d+)\]|\.(\w+)")
 _SKIP = {"_modules", "_parameters", "_buffers"}
 
 
+def source_names(gm: fx.GraphModule) -> list[str]:
+    """Dynamo source of every placeholder (``L['self']._modules['a']._parameters['weight']``). Read it in
+    the backend call: Dynamo drops ``grapharg`` from the graph's metadata once compilation ends."""
+    return [_source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
+
+
 def _source_name(node: fx.Node) -> str:
     ga = node.meta.get("grapharg")
-    src = getattr(ga, "source", None)
+    src = getattr(ga, "source", None) or getattr(node, "_dynamo_source", None)
     if src is None:
         return node.name
     name = src.name() if callable(src.name) else src.name
@@ -92,15 +98,15 @@ def _check_single_loss(gm: fx.GraphModule) -> None:
         )
 
 
-def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[InputSpec], dict, dict]:
+def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any],
+                     sources: list[str]) -> tuple[list[InputSpec], dict, dict]:
     specs: list[InputSpec] = []
     params: dict[str, nn.Parameter] = {}
     buffers: dict[str, torch.Tensor] = {}
     placeholders = gm.graph.find_nodes(op="placeholder")
     if len(placeholders) != len(example_inputs):
         raise PiperCaptureError(f"piper: internal: {len(placeholders)} placeholders vs {len(example_inputs)} inputs")
-    for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
-        src = _source_name(node)
+    for i, (node, ex, src) in enumerate(zip(placeholders, example_inputs, sources)):
         if isinstance(ex, nn.Parameter):
             fqn = fqn_from_source(src)
             params[fqn] = ex
@@ -152,10 +158,10 @@ def find_batch_constant(gm: fx.GraphModule, batch: int) -> str | None:
     return None
 
 
-def capture_joint(gm: fx.GraphModule, example_inputs: list[Any]) -> JointGraph:
+def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[str] | None = None) -> JointGraph:
     """Export the joint graph of Dynamo's graph ``gm`` and describe its inputs/outputs."""
     _check_single_loss(gm)
-    specs, params, buffers = _describe_inputs(gm, example_inputs)
+    specs, params, buffers = _describe_inputs(gm, example_inputs, sources or source_names(gm))
     fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
     try:
         with contextlib.ExitStack() as stack, torch.enable_grad():

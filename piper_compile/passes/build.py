@@ -12,7 +12,8 @@ def build_dag(segments: list[Segment], forward_only: bool = False) -> TrainingDA
         if forward_only and seg.pass_ != "F":
             continue
         tags = make_tags({**dict(seg.region), "PASS": seg.pass_})
-        attrs: dict[str, object] = {"segment": seg.name, "region_label": region_label(seg.region) or ""}
+        label = str(seg.region[0][1]) if [k for k, _ in seg.region] == ["PP"] else region_label(seg.region)
+        attrs: dict[str, object] = {"segment": seg.name, "region_label": label}
         if seg.loss:
             attrs["loss"] = seg.loss
         if seg.grads and not forward_only:

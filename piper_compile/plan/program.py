@@ -51,7 +51,8 @@ class Program:
             if i.waits:
                 extra += f"  wait[{', '.join(i.waits)}]"
             if i.frees:
-                extra += f"  free[{', '.join(i.frees)}]"
+                shown = ", ".join(i.frees[:4]) + (f", +{len(i.frees) - 4}" if len(i.frees) > 4 else "")
+                extra += f"  free[{shown}]"
             lines.append(f"  {k:3d} {i.short():32s} {i.node.stream:8s}{extra}")
         return "\n".join(lines)
 
@@ -66,7 +67,7 @@ def _peer(node: Node, rank: int) -> int | None:
 
 def _priority(node: Node) -> tuple:
     # Communication is issued as soon as it is ready; compute F before B (GPipe when nothing orders it).
-    if node.kind.is_comm:
+    if node.kind.is_comm and node.attr("purpose") != "loss":
         return (0, 0, 0)
     if node.kind is Kind.COMPUTE:
         return (1, _PASS_RANK.get(node.tag("PASS"), 0), node.attr("mb", 0))

@@ -1,0 +1,1 @@
+"""Helpers shared by tests, examples and benchmarks: small models and a local multi-process launcher."""

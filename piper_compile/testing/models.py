@@ -1,0 +1,130 @@
+"""Small models used by the example, the tests and the benchmarks. Each ``forward`` returns a scalar
+loss and reads the batch size from its input (``x.shape[0]``), so micro-batching works."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from piper_compile.capture.annotate import annotate
+
+
+class MLPChain(nn.Module):
+    """``depth`` Linear+tanh layers; each layer is a pipeline-stage candidate."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, y)
+
+    def annotate_stages(self, stages: int) -> None:
+        for i, layer in enumerate(self.layers):
+            annotate(layer, PP=i * stages // len(self.layers))
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        d = self.layers[0].in_features
+        return torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+
+
+class SkipNet(nn.Module):
+    """A residual that jumps from the first layer over every later stage boundary to the loss."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        first = torch.relu(self.layers[0](x))
+        h = first
+        for layer in self.layers[1:]:
+            h = torch.tanh(layer(h))
+        return F.mse_loss(h + first, y)
+
+    annotate_stages = MLPChain.annotate_stages
+    make_batch = MLPChain.make_batch
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 96
+    seq: int = 16
+    dim: int = 32
+    heads: int = 4
+    layers: int = 4
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal self-attention (scaled_dot_product_attention) + MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.out = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token + position embedding, pre-LN blocks, LM head tied to the token embedding."""
+
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.wte = nn.Embedding(cfg.vocab, cfg.dim)
+        self.wpe = nn.Embedding(cfg.seq, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied: used by the first and the last stage
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02 if "proj" not in name else 0.02 / math.sqrt(2 * cfg.layers))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def annotate_stages(self, stages: int) -> None:
+        for i, block in enumerate(self.blocks):
+            annotate(block, PP=i * stages // len(self.blocks))
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """Synthetic next-token task: sequences follow ``x[t+1] = (a * x[t] + b) % vocab``."""
+        v, t = self.cfg.vocab, self.cfg.seq
+        start = torch.randint(0, v, (n, 1), generator=gen)
+        a = torch.randint(1, 4, (n, 1), generator=gen)
+        steps = torch.arange(t + 1).unsqueeze(0)
+        seq = (start + a * steps) % v
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT}
+
+
+def build_model(name: str, seed: int = 0, **kwargs: object) -> nn.Module:
+    torch.manual_seed(seed)
+    if name == "gpt":
+        return GPT(GPTConfig(**kwargs))  # type: ignore[arg-type]
+    return MODELS[name](**kwargs)  # type: ignore[arg-type]

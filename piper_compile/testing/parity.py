@@ -1,0 +1,136 @@
+"""Numerics oracle: train a strategy on local gloo processes and compare with an eager
+single-process run on the same global batch (losses every step, parameters at the end)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from piper_compile.ir.dag import Kind
+from piper_compile.testing.models import build_model
+
+
+@dataclass
+class RunConfig:
+    model: str = "mlp"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    stages: int = 1  # annotate the model with PP=0..stages-1 when > 1
+    directives: list[Any] = field(default_factory=list)
+    steps: int = 3
+    local_batch: int = 8
+    optimizer: tuple[str, dict[str, Any]] | None = ("SGD", {"lr": 0.05, "momentum": 0.9})
+    user_optimizer: bool = False  # no piper optimizer: the test steps its own on param.grad
+    codegen: str = "eager"
+    seed: int = 0
+    no_grad_eval: bool = False  # also run one forward-only call under torch.no_grad() after training
+
+    def replica_of(self, rank: int, world: int) -> int:
+        for d in self.directives:
+            if isinstance(d, dict) and d.get("op") == "place" and rank in d["devices"]:
+                return d["devices"].index(rank)
+        return rank
+
+    def dp_degree(self, world: int) -> int:
+        return len({self.replica_of(r, world) for r in range(world)})
+
+    def make_optimizer(self) -> Any:
+        if self.optimizer is None:
+            return None
+        name, kw = self.optimizer
+        return functools.partial(getattr(torch.optim, name), **kw)
+
+
+def _model(cfg: RunConfig) -> nn.Module:
+    return build_model(cfg.model, cfg.seed, **cfg.model_kwargs)
+
+
+def _global_batch(model: nn.Module, cfg: RunConfig, step: int, n: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1000 + cfg.seed * 100 + step)
+    return model.make_batch(n, gen)  # type: ignore[operator]
+
+
+def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
+    """One rank of a piper run; returns losses, the parameters it owns (by position) and counters."""
+    import piper_compile as piper
+
+    model = _model(cfg)
+    if cfg.stages > 1:
+        model.annotate_stages(cfg.stages)  # type: ignore[operator]
+    piper_opt = None if cfg.user_optimizer else cfg.make_optimizer()
+    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
+                         options={"directives": cfg.directives, "optimizer": piper_opt, "codegen": cfg.codegen})
+    user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
+    dp, rep = cfg.dp_degree(world), cfg.replica_of(rank, world)
+    losses = []
+    for s in range(cfg.steps):
+        batch = _global_batch(model, cfg, s, dp * cfg.local_batch)
+        local = tuple(t[rep * cfg.local_batch:(rep + 1) * cfg.local_batch] for t in batch)
+        loss = step(*local)
+        loss.backward()  # accepted and does nothing more
+        losses.append(loss.item())
+        if user_opt is not None:
+            user_opt.step()
+            user_opt.zero_grad()
+    eval_loss = None
+    if cfg.no_grad_eval:
+        batch = _global_batch(model, cfg, cfg.steps, dp * cfg.local_batch)
+        local = tuple(t[rep * cfg.local_batch:(rep + 1) * cfg.local_batch] for t in batch)
+        with torch.no_grad():
+            eval_loss = step(*local).item()
+    cs = piper.compiled_steps(step)[0]
+    program = cs.plans[False].programs[rank]
+    owned_names = {f for i in program.instrs if i.node.kind is Kind.UPDATE for f in i.node.attr("params")}
+    by_id = {id(p): f for f, p in cs.joint.params.items()}
+    params = list(model.parameters())
+    owned = {k: p.detach().clone() for k, p in enumerate(params) if by_id.get(id(p)) in owned_names}
+    stats = piper.last_stats(step)
+    return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
+            "collectives": dict(stats.collectives), "p2p": stats.p2p}
+
+
+def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
+    """Single-process eager training on the concatenation of all replicas' batches."""
+    model = _model(cfg)
+    opt = cfg.make_optimizer()(model.parameters())
+    dp = cfg.dp_degree(world)
+    losses = []
+    for s in range(cfg.steps):
+        batch = _global_batch(model, cfg, s, dp * cfg.local_batch)
+        loss = model(*batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    eval_loss = None
+    if cfg.no_grad_eval:
+        with torch.no_grad():
+            eval_loss = model(*_global_batch(model, cfg, cfg.steps, dp * cfg.local_batch)).item()
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "eval_loss": eval_loss}
+
+
+def assert_parity(results: list[dict[str, Any]], ref: dict[str, Any], rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Every rank's losses match the reference; every parameter is owned by some rank and matches."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol,
+                                   msg=lambda m, rank=rank: f"rank {rank} losses differ: {m}")
+        if ref["eval_loss"] is not None:
+            torch.testing.assert_close(r["eval_loss"], ref["eval_loss"], rtol=rtol, atol=atol)
+    covered = set()
+    for rank, r in enumerate(results):
+        for k, p in r["params"].items():
+            covered.add(k)
+            torch.testing.assert_close(p, ref["params"][k], rtol=rtol, atol=atol,
+                                       msg=lambda m, rank=rank, k=k: f"rank {rank} parameter #{k} differs: {m}")
+    missing = set(range(len(ref["params"]))) - covered
+    assert not missing, f"parameters {sorted(missing)} were updated by no rank"
+
+
+def run_parity(cfg: RunConfig, world: int, rtol: float = 1e-5, atol: float = 1e-6) -> list[dict[str, Any]]:
+    from piper_compile.testing.launch import run_local
+
+    results = run_local(piper_worker, world, cfg) if world > 1 else [piper_worker(0, 1, cfg)]
+    assert_parity(results, eager_reference(cfg, world), rtol, atol)
+    return results
