@@ -2,9 +2,11 @@
 
 Model (the stricter of NCCL and gloo, so a plan it accepts runs on both): each rank's host thread
 issues instructions in order; compute blocks the host until the async instructions it waits on are
-complete; communication is queued FIFO on its stream (one queue per rank and stream name); a SEND and
-its RECV complete together when both are at the head of their queues (rendezvous); a collective
-completes when it is at the head of the stream queue of every member. A state where no rank can move
+complete; communication is queued FIFO: a collective on its stream's queue (one per rank and stream),
+a SEND/RECV on the queue of its stream *and peer* (NCCL runs point-to-point traffic of each rank
+pair on its own communicator, gloo on its own pair); a SEND and its RECV complete together when both
+are at the head of their queues (rendezvous); a collective completes when it is at the head of the
+stream queue of every member. A state where no rank can move
 is a deadlock, reported as a rank x step grid with the stuck instruction marked.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _check_matching(programs: list[Program]) -> None:
                              f"{src} never sends it")
 
 
-def format_grid(programs: list[Program], pcs: list[int], stuck: dict[int, str], width: int = 7) -> str:
+def format_grid(programs: list[Program], pcs: list[int], stuck: dict[int, str]) -> str:
     """Rank x step grid around the stuck positions; ``>X<`` marks each rank's stuck instruction."""
     lo = max(0, min(pcs) - 3)
     hi = min(max(len(p.instrs) for p in programs), max(pcs) + 4)
@@ -55,12 +57,9 @@ def format_grid(programs: list[Program], pcs: list[int], stuck: dict[int, str], 
             label = p.instrs[s].short()
             if s == pc and p.rank in stuck:
                 label = f">{label}<"
-            elif s < pc:
-                label = label  # already issued
             cells.append(f"{label:<{col}}")
         lines.append(f"{p.rank:>4} | " + "".join(cells))
     lines += [f"rank {r}: {why}" for r, why in sorted(stuck.items())]
-    del width
     return "\n".join(lines)
 
 
@@ -70,7 +69,7 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
     ranks = [p.rank for p in programs]
     pcs = [0] * len(programs)
     done: list[set[str]] = [set() for _ in programs]
-    queues: dict[tuple[int, str], deque[Instr]] = {}
+    queues: dict[tuple[int, str, int], deque[Instr]] = {}
     rounds = 0
     while True:
         rounds += 1
@@ -81,7 +80,7 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
                 if not all(w in done[k] for w in ins.waits):
                     break
                 if ins.is_async:
-                    queues.setdefault((p.rank, ins.node.stream), deque()).append(ins)
+                    queues.setdefault(_queue_key(p.rank, ins), deque()).append(ins)
                 else:
                     done[k].add(ins.name)
                 pcs[k] += 1
@@ -93,17 +92,21 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
             _deadlock(programs, pcs, queues, done)
 
 
-def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tuple[int, str], deque[Instr]],
+def _queue_key(rank: int, ins: Instr) -> tuple[int, str, int]:
+    return (rank, ins.node.stream, -1 if ins.peer is None else ins.peer)
+
+
+def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tuple[int, str, int], deque[Instr]],
                     done: list[set[str]]) -> bool:
     idx = {r: k for k, r in enumerate(ranks)}
     moved = False
-    for (rank, stream), q in list(queues.items()):
+    for (rank, stream, _), q in list(queues.items()):
         if not q:
             continue
         head = q[0]
         kind = head.node.kind
         if kind in (Kind.SEND, Kind.RECV):
-            pq = queues.get((head.peer, stream))
+            pq = queues.get((head.peer, stream, rank))
             want = Kind.RECV if kind is Kind.SEND else Kind.SEND
             if pq and pq[0].node.kind is want and pq[0].node.attr("msg") == head.node.attr("msg"):
                 q.popleft()
@@ -113,7 +116,7 @@ def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tupl
                 moved = True
         else:
             members = head.node.devices
-            heads = [queues.get((m, stream)) for m in members]
+            heads = [queues.get((m, stream, -1)) for m in members]
             if all(h and h[0].name == head.name for h in heads):
                 for m, h in zip(members, heads):
                     h.popleft()  # type: ignore[union-attr]
@@ -132,7 +135,7 @@ def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tupl
     return moved
 
 
-def _deadlock(programs: list[Program], pcs: list[int], queues: dict[tuple[int, str], deque[Instr]],
+def _deadlock(programs: list[Program], pcs: list[int], queues: dict[tuple[int, str, int], deque[Instr]],
               done: list[set[str]]) -> None:
     stuck: dict[int, str] = {}
     marks = list(pcs)
@@ -142,7 +145,7 @@ def _deadlock(programs: list[Program], pcs: list[int], queues: dict[tuple[int, s
             missing = [w for w in ins.waits if w not in done[k]]
             stuck[p.rank] = f"{ins.short()} waits for {', '.join(missing)}"
         else:
-            pending = [q[0] for (r, _), q in queues.items() if r == p.rank and q]
+            pending = [q[0] for (r, _, _), q in queues.items() if r == p.rank and q]
             if pending:
                 stuck[p.rank] = f"finished issuing; {pending[0].short()} never matched (stream {pending[0].node.stream})"
                 marks[k] = next(i for i, x in enumerate(p.instrs) if x.name == pending[0].name)

@@ -1,0 +1,169 @@
+"""Pipeline parallel: piper GPipe / 1F1B vs ``torch.distributed.pipelining`` ScheduleGPipe / Schedule1F1B.
+
+One stage per rank (PP2 on 2 ranks by default; ``--stages 2 4`` adds PP4 on 4 ranks), the same GPT split
+the same way in both: stage 0 = token/position embeddings + its blocks, the last stage = its blocks +
+ln_f + head + cross-entropy, blocks divided as ``GPT.annotate_stages`` does (block i on stage
+i * stages // layers). The LM head is UNTIED from the token embedding in both variants (the head gets
+its own copy of the weight), so neither side pays a tied-gradient transfer. Same micro-batch count
+(``--microbatches``), same full batch fed to the pipeline every step, same seed and AdamW on each
+stage's parameters, gloo on CPU with 1 thread per rank, every variant in freshly spawned processes.
+
+piper: ``annotate`` the stages, ``[*pipeline(S), split(M), *schedules.gpipe|one_f_one_b(S, M)]``, one
+call per step. pipelining: a hand-written stage module per rank in ``PipelineStage``, ``schedule.step``
+then ``opt.step()``; its loss_fn is the same cross-entropy, grads scaled by 1/M (``scale_grads``).
+
+Read ``piper/this`` as piper's median step time divided by the pipelining schedule's: below 1.00 piper
+is faster. The correctness lines compare the last stage's per-step mean loss of the two.
+
+    python benchmarks/bench_pp.py                       # PP2, M=8, piper codegen inductor
+    python benchmarks/bench_pp.py --codegen eager --stages 2 4
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (RankResult, Spec, Summary, add_common_args, build_gpt, compare_losses,  # noqa: E402
+                    global_batches, print_table, timed_loop)
+
+from piper_compile.testing.launch import run_local  # noqa: E402
+from piper_compile.testing.models import GPT  # noqa: E402
+
+
+def stage_blocks(layers: int, stage: int, stages: int) -> list[int]:
+    """The blocks of ``stage``, exactly as ``GPT.annotate_stages`` assigns them."""
+    return [i for i in range(layers) if i * stages // layers == stage]
+
+
+def piper_worker(rank: int, world: int, spec: Spec, schedule: str, microbatches: int) -> RankResult:
+    import piper_compile as piper
+
+    model = build_gpt(spec, untie=True)
+    batches = global_batches(model, spec, spec.batch)
+    model.annotate_stages(world)
+    piper.annotate(model.wte, PP=0)  # explicit, though the region rule puts them there anyway
+    piper.annotate(model.wpe, PP=0)
+    piper.annotate(model.ln_f, PP=world - 1)
+    piper.annotate(model.head, PP=world - 1)
+    build = {"gpipe": piper.schedules.gpipe, "1f1b": piper.schedules.one_f_one_b}[schedule]
+    directives = [*piper.pipeline(world), piper.split(microbatches), *build(world, microbatches)]
+    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
+                         options={"directives": directives, "codegen": spec.codegen,
+                                  "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)})
+    res = timed_loop(lambda i: step(*batches[i]), spec)
+    stats = piper.last_stats(step)
+    cs = piper.compiled_steps(step)[0]
+    res.extra = {"collectives": dict(stats.collectives), "p2p": stats.p2p, "compute": stats.compute,
+                 "peak_live_mib": round(stats.peak_live_bytes / 2**20, 1),
+                 "compile_s": round(sum(c.compile_seconds for c in cs.compiled.values()), 1),
+                 "segments": sorted(cs.compiled)}
+    return res
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of ``GPT`` for ``torch.distributed.pipelining`` (shares the GPT's modules)."""
+
+    def __init__(self, gpt: GPT, stage: int, stages: int) -> None:
+        super().__init__()
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.wte, self.wpe = gpt.wte, gpt.wpe
+        self.blocks = nn.ModuleList(gpt.blocks[i] for i in stage_blocks(len(gpt.blocks), stage, stages))
+        if self.last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def pipelining_worker(rank: int, world: int, spec: Spec, schedule: str, microbatches: int) -> RankResult:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    model = build_gpt(spec, untie=True)
+    batches = global_batches(model, spec, spec.batch)
+    module = StageModule(model, rank, world)
+    del model
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, n_microbatches=microbatches, loss_fn=_ce)
+    opt = torch.optim.AdamW(module.parameters(), lr=spec.lr)
+    first, last = rank == 0, rank == world - 1
+
+    def step(i: int) -> torch.Tensor | None:
+        x, y = batches[i]
+        losses: list[torch.Tensor] = []
+        if first:
+            sched.step(x)
+        elif last:
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean() if last else None
+
+    return timed_loop(step, spec)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.set_defaults(batch=16)
+    p.add_argument("--stages", type=int, nargs="+", default=[2], help="pipeline stages = ranks (e.g. 2 4)")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
+    args = p.parse_args()
+    spec = Spec.from_args(args)
+    m = args.microbatches
+    if spec.batch % m:
+        p.error(f"--batch {spec.batch} must be a multiple of --microbatches {m}")
+    print(f"bench_pp: {spec.describe()} (the whole batch goes through the pipeline), {m} micro-batches, "
+          f"{os.cpu_count()} CPU cores", flush=True)
+    rows: dict[str, dict[str, Summary]] = {}
+    piper_of: dict[str, str] = {}
+    all_ok = True
+    for stages in args.stages:
+        if stages > spec.model["layers"]:
+            print(f"  skipping PP{stages}: only {spec.model['layers']} layers")
+            continue
+        for sched in args.schedules:
+            config = f"PP{stages} {sched}"
+            piper_name = f"piper {sched} ({spec.codegen})"
+            peer_name = f"pipelining {'ScheduleGPipe' if sched == 'gpipe' else 'Schedule1F1B'}"
+            rows[config], piper_of[config] = {}, piper_name
+            print(f"  running {config}: {piper_name} ...", flush=True)
+            ours = run_local(piper_worker, stages, spec, sched, m, timeout_s=args.timeout)
+            print(f"  running {config}: {peer_name} ...", flush=True)
+            theirs = run_local(pipelining_worker, stages, spec, sched, m, timeout_s=args.timeout)
+            rows[config][piper_name], rows[config][peer_name] = Summary.of(ours), Summary.of(theirs)
+            for r in range(stages):
+                print(f"  {config} piper rank {r} counters: {ours[r].extra}")
+            all_ok &= compare_losses(f"{config} last-stage loss piper vs pipelining", ours[-1].losses,
+                                     theirs[-1].losses)
+    print_table(f"pipeline parallel, {m} micro-batches: median step time (slowest rank per step)", rows, piper_of)
+    for config, v in rows.items():
+        pm = v[piper_of[config]].median_ms
+        peer = next(k for k in v if k != piper_of[config])
+        print(f"{config}: piper/{peer.split()[1]} = {pm / v[peer].median_ms:.2f}")
+    print(f"correctness: {'all losses agree' if all_ok else 'LOSS MISMATCH (see above)'}")
+
+
+if __name__ == "__main__":
+    main()
