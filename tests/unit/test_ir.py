@@ -1,0 +1,290 @@
+"""TrainingDAG / Node: text form round trip, cycles, topological order, producers."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from piper_compile.ir.dag import Kind, Node, TrainingDAG, format_tags, make_tags, parse_dag, parse_node
+
+
+def _attrs(**kw: object) -> tuple:
+    return tuple(sorted(kw.items()))
+
+
+def _all_kinds_dag() -> TrainingDAG:
+    """One node of every Kind, with int and str tags and attrs holding nested tuples."""
+    dag = TrainingDAG()
+    f0 = dag.add(Node("F.PP0.mb0", Kind.COMPUTE, make_tags({"PP": 0, "MB": 0, "PASS": "F"}), (0,), "compute",
+                      ("input:x@mb0", "param:layers.0.weight", "symexpr:s77//2"), ("tanh@mb0", "loss@mb0"),
+                      _attrs(segment="F.PP0", region_label="0", mb=0, loss="loss@mb0",
+                             grads=(("t_1@mb0", "layers.0.weight"), ("t_2@mb0", "layers.0.bias")))))
+    send = dag.add(Node("SEND.tanh@mb0>r1", Kind.SEND, f0.tags, (0,), "pp_fwd", ("tanh@mb0",), (),
+                        _attrs(dst=(1,), msg="tanh@mb0>r1", mb=0)))
+    recv = dag.add(Node("RECV.tanh@mb0>r1", Kind.RECV, f0.tags, (1,), "pp_fwd", (), ("tanh@mb0>r1",),
+                        _attrs(src=(0,), msg="tanh@mb0>r1", shape=("s77", "32"), dtype="float32", mb=0)))
+    b1 = dag.add(Node("B.PP1.mb0", Kind.COMPUTE, make_tags({"PP": 1, "MB": 0, "PASS": "B"}), (1,), "compute",
+                      ("tanh@mb0>r1", "tangent"), ("g@mb0",), _attrs(segment="B.PP1", region_label="1", mb=0)))
+    ar = dag.add(Node("AR.r0_1.b0", Kind.ALL_REDUCE, make_tags({"BUCKET": 0}), (0, 1), "dp", (), (),
+                      _attrs(params=("a.weight", "a.bias"), purpose="grad", bucket_mb=25.0)))
+    rs = dag.add(Node("RS.b0", Kind.REDUCE_SCATTER, (("BUCKET", 0), ("ZERO", "z2")), (0, 1), "dp", ("g@mb0",),
+                      ("g_shard",), _attrs(nested=((1, (2, 3)), ("a", ("b", ("c",)))), empty=())))
+    ag = dag.add(Node("AG.b0", Kind.ALL_GATHER, (), (0, 1), "dp_gather", ("g_shard",), ("g_full",),
+                      _attrs(flag=True, none=None, neg=-3)))
+    a2a = dag.add(Node("A2A.ep", Kind.ALL_TO_ALL, make_tags({"EP": "experts"}), (0, 1), "ep", ("g_full",),
+                       ("routed",), _attrs(counts=((1, 2), (3, 4)))))
+    bc = dag.add(Node("BC.w", Kind.BROADCAST, (), (0, 1), "init", (), ("w0",), _attrs(src=0)))
+    upd = dag.add(Node("UPD.r0", Kind.UPDATE, (), (0,), "compute", ("routed", "w0"), (),
+                       _attrs(params=("layers.0.weight",))))
+    free = dag.add(Node("FREE.g", Kind.FREE, make_tags({"PP": -1}), (1,), "compute", ("g@mb0",), ()))
+    dag.add_order(f0.name, send.name)
+    dag.add_order(recv.name, b1.name)
+    dag.add_order(ar.name, rs.name)
+    dag.add_order(ag.name, a2a.name)
+    dag.add_order(bc.name, upd.name)
+    dag.add_order(b1.name, free.name)
+    return dag
+
+
+def _assert_same(a: TrainingDAG, b: TrainingDAG) -> None:
+    assert list(a.nodes) == list(b.nodes)
+    for name in a.nodes:
+        assert a.nodes[name] == b.nodes[name], name
+    assert a.order_edges == b.order_edges
+
+
+def test_every_kind_is_covered_by_the_round_trip_dag() -> None:
+    assert {n.kind for n in _all_kinds_dag()} == set(Kind)
+
+
+def test_dag_text_round_trip_every_kind() -> None:
+    dag = _all_kinds_dag()
+    text = dag.to_text()
+    back = parse_dag(text)
+    _assert_same(dag, back)
+    assert back.to_text() == text
+
+
+def test_round_trip_keeps_tag_value_types_and_nested_tuple_attrs() -> None:
+    back = parse_dag(_all_kinds_dag().to_text())
+    f0 = back.nodes["F.PP0.mb0"]
+    assert f0.tag("PP") == 0 and isinstance(f0.tag("PP"), int)
+    assert f0.tag("PASS") == "F"
+    assert f0.attr("grads") == (("t_1@mb0", "layers.0.weight"), ("t_2@mb0", "layers.0.bias"))
+    rs = back.nodes["RS.b0"]
+    assert rs.tag("ZERO") == "z2"
+    assert rs.attr("nested") == ((1, (2, 3)), ("a", ("b", ("c",))))
+    assert rs.attr("empty") == ()
+    assert back.nodes["FREE.g"].tag("PP") == -1
+    assert back.nodes["AG.b0"].attr("none") is None and back.nodes["AG.b0"].attr("flag") is True
+    assert back.nodes["AR.r0_1.b0"].attr("bucket_mb") == 25.0
+    assert back.nodes["RECV.tanh@mb0>r1"].attr("shape") == ("s77", "32")
+    assert back.nodes["A2A.ep"].tag_dict == {"EP": "experts"}
+
+
+def test_node_text_round_trip_of_a_bare_node() -> None:
+    n = Node("x", Kind.COMPUTE)
+    line = n.to_text()
+    assert line.startswith("COMPUTE x dev=- stream=compute tags=- in=- out=-")
+    assert parse_node(line) == n
+
+
+def test_parse_dag_ignores_blank_lines_and_reads_order_lines() -> None:
+    dag = TrainingDAG()
+    dag.add(Node("a", Kind.COMPUTE, devices=(0,)))
+    dag.add(Node("b", Kind.COMPUTE, devices=(0,)))
+    dag.add_order("a", "b")
+    text = "\n" + dag.to_text() + "\n\n"
+    back = parse_dag(text)
+    _assert_same(dag, back)
+    assert "ORDER a -> b" in dag.to_text()
+
+
+def test_format_tags() -> None:
+    assert format_tags({}) == "-"
+    assert format_tags(make_tags({"PP": 1, "MB": 3, "PASS": "F"})) == "MB:3,PASS:F,PP:1"
+    assert make_tags({"b": 1, "a": "x"}) == (("a", "x"), ("b", 1))
+
+
+@pytest.mark.xfail(reason="ir/dag.py _parse_tags turns a str tag value made of digits ('3') into int 3, so "
+                          "to_text -> parse_dag does not give back an equal node", strict=True)
+def test_round_trip_keeps_digit_string_tag_as_string() -> None:
+    n = Node("x", Kind.COMPUTE, make_tags({"EP": "3"}))
+    assert parse_node(n.to_text()) == n
+
+
+# -- hypothesis: random nodes over the characters the text form allows --------------------------
+_ident = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=6)
+_value_name = st.text(alphabet="abcdefxyz_.@>:0123456789", min_size=1, max_size=10).filter(lambda s: s != "-")
+_tag_value = st.integers(-5, 50) | _ident
+_attr_leaf = st.integers(-10, 10) | st.text(max_size=5) | st.booleans() | st.none()
+_attr_value = st.recursive(_attr_leaf, lambda c: st.lists(c, max_size=3).map(tuple), max_leaves=6)
+
+
+@st.composite
+def _nodes(draw: st.DrawFn) -> list[Node]:
+    names = draw(st.lists(_ident, min_size=1, max_size=6, unique=True))
+    out = []
+    for name in names:
+        out.append(Node(
+            name=name,
+            kind=draw(st.sampled_from(list(Kind))),
+            tags=make_tags(draw(st.dictionaries(_ident, _tag_value, max_size=3))),
+            devices=tuple(draw(st.lists(st.integers(0, 7), max_size=3, unique=True))),
+            stream=draw(_ident),
+            inputs=tuple(draw(st.lists(_value_name, max_size=3))),
+            outputs=tuple(draw(st.lists(_value_name, max_size=3))),
+            attrs=tuple(sorted(draw(st.dictionaries(_ident, _attr_value, max_size=3)).items())),
+        ))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(_nodes(), st.data())
+def test_random_dag_text_round_trip(nodes: list[Node], data: st.DataObject) -> None:
+    dag = TrainingDAG()
+    for n in nodes:
+        dag.add(n)
+    names = list(dag.nodes)
+    for a, b in data.draw(st.lists(st.tuples(st.sampled_from(names), st.sampled_from(names)), max_size=5)):
+        dag.add_order(a, b)
+    _assert_same(dag, parse_dag(dag.to_text()))
+
+
+# -- cycles, topological order, producers ------------------------------------------------------
+def _chain(*names: str) -> TrainingDAG:
+    """a -> b -> c ... by data edges (each node consumes the previous one's output)."""
+    dag = TrainingDAG()
+    prev: tuple[str, ...] = ()
+    for n in names:
+        dag.add(Node(n, Kind.COMPUTE, inputs=prev, outputs=(f"v_{n}",)))
+        prev = (f"v_{n}",)
+    return dag
+
+
+def _is_cycle(dag: TrainingDAG, cycle: list[str]) -> bool:
+    preds = dag.predecessors()
+    return len(cycle) >= 2 and cycle[0] == cycle[-1] and all(a in preds[b] for a, b in zip(cycle, cycle[1:]))
+
+
+def test_find_cycle_none_on_acyclic() -> None:
+    dag = _chain("a", "b", "c")
+    dag.add_order("a", "c")
+    assert dag.find_cycle() is None
+
+
+def test_find_cycle_through_order_edge() -> None:
+    dag = _chain("a", "b", "c")
+    dag.add_order("c", "a")
+    cycle = dag.find_cycle()
+    assert cycle is not None and _is_cycle(dag, cycle)
+    assert set(cycle) == {"a", "b", "c"}
+
+
+def test_find_cycle_through_data_edges_only() -> None:
+    dag = TrainingDAG()
+    dag.add(Node("x", Kind.COMPUTE, inputs=("vy",), outputs=("vx",)))
+    dag.add(Node("y", Kind.COMPUTE, inputs=("vx",), outputs=("vy",)))
+    dag.add(Node("z", Kind.COMPUTE, inputs=("vx",)))
+    cycle = dag.find_cycle()
+    assert cycle is not None and _is_cycle(dag, cycle)
+    assert set(cycle) == {"x", "y"}
+
+
+def test_find_cycle_self_loop_by_data() -> None:
+    dag = TrainingDAG()
+    dag.add(Node("s", Kind.COMPUTE, inputs=("v",), outputs=("v",)))
+    assert dag.find_cycle() == ["s", "s"]
+
+
+def test_add_order_ignores_self_edges() -> None:
+    dag = _chain("a")
+    dag.add_order("a", "a")
+    assert dag.order_edges == set()
+    assert dag.find_cycle() is None
+
+
+def test_topo_order_default_is_insertion_order_among_ready() -> None:
+    dag = TrainingDAG()
+    for n in ("c", "a", "b"):
+        dag.add(Node(n, Kind.COMPUTE))
+    assert dag.topo_order() == ["c", "a", "b"]
+    dag.add_order("b", "c")
+    assert dag.topo_order() == ["a", "b", "c"]
+
+
+def test_topo_order_with_key_respects_edges_and_key() -> None:
+    dag = TrainingDAG()
+    # two independent chains; key prefers the "B" chain whenever both are ready
+    dag.add(Node("F0", Kind.COMPUTE, make_tags({"PASS": "F"}), outputs=("f0",)))
+    dag.add(Node("F1", Kind.COMPUTE, make_tags({"PASS": "F"}), inputs=("f0",), outputs=("f1",)))
+    dag.add(Node("B0", Kind.COMPUTE, make_tags({"PASS": "B"}), outputs=("b0",)))
+    dag.add(Node("B1", Kind.COMPUTE, make_tags({"PASS": "B"}), inputs=("b0",)))
+    first_b = dag.topo_order(key=lambda n: 0 if n.tag("PASS") == "B" else 1)
+    assert first_b == ["B0", "B1", "F0", "F1"]
+    first_f = dag.topo_order(key=lambda n: 0 if n.tag("PASS") == "F" else 1)
+    assert first_f == ["F0", "F1", "B0", "B1"]
+    # an order edge overrides the key
+    dag.add_order("F1", "B0")
+    assert dag.topo_order(key=lambda n: 0 if n.tag("PASS") == "B" else 1) == ["F0", "F1", "B0", "B1"]
+
+
+def test_topo_order_raises_on_cycle_and_names_it() -> None:
+    dag = _chain("a", "b")
+    dag.add_order("b", "a")
+    with pytest.raises(ValueError, match="cycle") as ei:
+        dag.topo_order()
+    assert "a" in str(ei.value) and "b" in str(ei.value)
+
+
+def test_producers_and_consumers() -> None:
+    dag = _chain("a", "b", "c")
+    assert dag.producers() == {"v_a": "a", "v_b": "b", "v_c": "c"}
+    assert dict(dag.consumers()) == {"v_a": ["b"], "v_b": ["c"]}
+    assert sorted(dag.data_edges()) == [("a", "b", "v_a"), ("b", "c", "v_b")]
+    dag.add(Node("d", Kind.COMPUTE, inputs=("param:w", "v_c")))
+    assert dag.external_values() == {"param:w"}
+
+
+def test_producers_raise_on_value_produced_twice() -> None:
+    dag = _chain("a")
+    dag.add(Node("a2", Kind.COMPUTE, outputs=("v_a",)))
+    with pytest.raises(ValueError, match="v_a") as ei:
+        dag.producers()
+    assert "a" in str(ei.value) and "a2" in str(ei.value)
+
+
+def test_add_duplicate_node_raises_and_remove_drops_order_edges() -> None:
+    dag = _chain("a", "b", "c")
+    with pytest.raises(ValueError, match="duplicate"):
+        dag.add(Node("a", Kind.COMPUTE))
+    dag.add_order("a", "c")
+    dag.remove("a")
+    assert "a" not in dag.nodes and dag.order_edges == set()
+
+
+def test_copy_is_independent() -> None:
+    dag = _chain("a", "b")
+    cp = dag.copy()
+    cp.add(Node("z", Kind.FREE))
+    cp.add_order("a", "z")
+    assert "z" not in dag.nodes and dag.order_edges == set()
+
+
+def test_kind_flags() -> None:
+    assert Kind.SEND.is_comm and not Kind.SEND.is_collective
+    assert Kind.ALL_REDUCE.is_comm and Kind.ALL_REDUCE.is_collective
+    assert not Kind.COMPUTE.is_comm and not Kind.UPDATE.is_comm and not Kind.FREE.is_comm
+    assert {k for k in Kind if k.is_collective} == {Kind.ALL_REDUCE, Kind.REDUCE_SCATTER, Kind.ALL_GATHER,
+                                                     Kind.ALL_TO_ALL, Kind.BROADCAST}
+
+
+def test_node_helpers() -> None:
+    n = Node("F.PP1.mb3", Kind.COMPUTE, make_tags({"PP": 1, "MB": 3, "PASS": "F"}),
+             attrs=_attrs(region_label="1"))
+    assert n.short() == "F1.mb3"
+    assert n.tag("missing", 7) == 7 and n.attr("missing") is None
+    m = n.with_attrs(z=1, a=2)
+    assert [k for k, _ in m.attrs] == ["a", "region_label", "z"]
+    assert n.with_(stream="x").stream == "x" and n.stream == "compute"
+    assert Node("SEND.v>r1", Kind.SEND).short() == "SEND.v>r1"

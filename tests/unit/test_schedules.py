@@ -1,0 +1,116 @@
+"""Shapes of the GPipe and 1F1B schedule builders for many (stages, micro-batches)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from piper_compile import PiperDirectiveError, schedules
+from piper_compile.directives.spec import Order, parse_directives
+from piper_compile.schedules.builders import stage_sequence
+
+SHAPES = list(itertools.product(range(1, 9), range(1, 13)))
+BUILDERS = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}
+
+
+def _sequence(order: dict, stage: int, tag: str = "PP", mb_tag: str = "MB") -> list[tuple[str, int]]:
+    """The (PASS, MB) steps of one order directive, checking every filter names ``stage``."""
+    assert order["op"] == "order"
+    out = []
+    for group in order["filters"]:
+        assert len(group) == 1, group  # GPipe/1F1B have no overlap slots
+        (flt,) = group
+        assert set(flt) == {tag, mb_tag, "PASS"}
+        assert flt[tag] == stage
+        out.append((flt["PASS"], flt[mb_tag]))
+    return out
+
+
+def _in_flight(seq: list[tuple[str, int]]) -> list[int]:
+    live: set[int] = set()
+    counts = []
+    for p, mb in seq:
+        if p == "F":
+            live.add(mb)
+        else:
+            live.discard(mb)
+        counts.append(len(live))
+    return counts
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+@pytest.mark.parametrize("stages,microbatches", SHAPES)
+def test_every_step_once_and_f_before_b(kind: str, stages: int, microbatches: int) -> None:
+    orders = BUILDERS[kind](stages, microbatches)
+    assert len(orders) == stages
+    for s, order in enumerate(orders):
+        seq = _sequence(order, s)
+        expected = {(p, m) for p in ("F", "B") for m in range(microbatches)}
+        assert len(seq) == 2 * microbatches and set(seq) == expected
+        for m in range(microbatches):
+            assert seq.index(("F", m)) < seq.index(("B", m)), (s, m, seq)
+        # micro-batches go through each pass in order
+        assert [m for p, m in seq if p == "F"] == list(range(microbatches))
+        assert [m for p, m in seq if p == "B"] == list(range(microbatches))
+        assert seq == stage_sequence(kind, s, stages, microbatches)
+
+
+@pytest.mark.parametrize("stages,microbatches", SHAPES)
+def test_one_f_one_b_bounds_in_flight_microbatches(stages: int, microbatches: int) -> None:
+    for s, order in enumerate(schedules.one_f_one_b(stages, microbatches)):
+        peak = max(_in_flight(_sequence(order, s)))
+        assert peak <= stages - s, (s, _sequence(order, s))
+        # and it does use the whole bound when there are enough micro-batches (no needless bubble)
+        assert peak == min(stages - s, microbatches)
+
+
+@pytest.mark.parametrize("stages,microbatches", SHAPES)
+def test_one_f_one_b_steady_state_alternates(stages: int, microbatches: int) -> None:
+    for s, order in enumerate(schedules.one_f_one_b(stages, microbatches)):
+        seq = _sequence(order, s)
+        warmup = min(stages - s - 1, microbatches)
+        assert seq[:warmup] == [("F", m) for m in range(warmup)]
+        steady = seq[warmup:warmup + 2 * (microbatches - warmup)]
+        assert [p for p, _ in steady] == ["F", "B"] * (microbatches - warmup)
+
+
+@pytest.mark.parametrize("stages,microbatches", SHAPES)
+def test_gpipe_all_forwards_before_all_backwards(stages: int, microbatches: int) -> None:
+    for s, order in enumerate(schedules.gpipe(stages, microbatches)):
+        seq = _sequence(order, s)
+        assert [p for p, _ in seq] == ["F"] * microbatches + ["B"] * microbatches
+        assert max(_in_flight(seq)) == microbatches
+
+
+def test_last_stage_of_1f1b_never_holds_more_than_one() -> None:
+    order = schedules.one_f_one_b(4, 8)[-1]
+    assert max(_in_flight(_sequence(order, 3))) == 1
+
+
+def test_custom_tags() -> None:
+    orders = schedules.one_f_one_b(2, 3, tag="STAGE", mb_tag="CHUNK")
+    assert _sequence(orders[1], 1, tag="STAGE", mb_tag="CHUNK")[:2] == [("F", 0), ("B", 0)]
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_schedules_parse_as_order_directives(kind: str) -> None:
+    parsed = parse_directives(BUILDERS[kind](3, 4))
+    assert all(isinstance(d, Order) for d in parsed)
+    assert [d.index for d in parsed] == [0, 1, 2]
+    assert parsed[2].filters[0] == ({"PP": 2, "MB": 0, "PASS": "F"},)
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+@pytest.mark.parametrize("stages,microbatches", [(0, 4), (-1, 4), (2, 0), (2, -3), ("2", 4), (2, "4"), (2.0, 4),
+                                                 (2, 1.5), (None, 4), (2, None)])
+def test_invalid_counts_raise(kind: str, stages: object, microbatches: object) -> None:
+    with pytest.raises(PiperDirectiveError) as ei:
+        BUILDERS[kind](stages, microbatches)  # type: ignore[arg-type]
+    msg = str(ei.value)
+    assert msg.startswith("piper:") and "Fix:" in msg
+    assert ("stages" in msg) or ("microbatches" in msg)
+
+
+def test_stage_sequence_unknown_kind() -> None:
+    with pytest.raises(KeyError):
+        stage_sequence("zb", 0, 2, 2)
