@@ -110,7 +110,3 @@ def test_invalid_counts_raise(kind: str, stages: object, microbatches: object) -
     assert msg.startswith("piper:") and "Fix:" in msg
     assert ("stages" in msg) or ("microbatches" in msg)
 
-
-def test_stage_sequence_unknown_kind() -> None:
-    with pytest.raises(KeyError):
-        stage_sequence("zb", 0, 2, 2)

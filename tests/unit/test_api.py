@@ -1,0 +1,98 @@
+"""Single-process API behaviour: entry point, call semantics, optimizer access, LR schedulers."""
+from __future__ import annotations
+
+import copy
+import functools
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import piper_compile as piper
+from piper_compile.testing.models import build_model
+
+
+def _compile(model, **options):
+    options.setdefault("codegen", "eager")
+    return torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
+
+
+def test_entry_point_works_without_importing_piper_first():
+    code = textwrap.dedent("""
+        import torch
+        m = torch.nn.Linear(4, 1)
+        step = torch.compile(lambda x: m(x).square().mean(), backend="piper", options={"codegen": "eager"})
+        loss = step(torch.randn(8, 4))
+        assert loss.ndim == 0 and m.weight.grad is not None
+        import sys; assert "piper_compile" in sys.modules
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_call_semantics_grads_backward_noop_and_no_grad():
+    model = build_model("mlp")
+    ref = copy.deepcopy(model)
+    step = _compile(model, directives=[piper.split(2)])
+    x, y = model.make_batch(8, torch.Generator().manual_seed(0))
+    loss = step(x, y)
+    loss.backward()  # accepted, does nothing more
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    # a second call accumulates into .grad, as a second loss.backward() would
+    step(x, y)
+    ref(x, y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    before = [p.grad.clone() for p in model.parameters()]
+    with torch.no_grad():
+        eval_loss = step(x, y)
+    assert not eval_loss.requires_grad
+    torch.testing.assert_close(eval_loss, ref(x, y).detach(), rtol=1e-6, atol=1e-6)
+    for p, b in zip(model.parameters(), before):  # forward only: gradients untouched
+        assert torch.equal(p.grad, b)
+
+
+def test_optimizer_accessor_and_lr_scheduler_match_eager():
+    model = build_model("mlp")
+    ref = copy.deepcopy(model)
+    factory = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    step = _compile(model, optimizer=factory)
+    opt = piper.optimizer(step)  # before the first call: created from the compile options
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_opt = factory(ref.parameters())
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for s in range(3):
+        x, y = model.make_batch(8, torch.Generator().manual_seed(s))
+        loss = step(x, y)
+        sched.step()
+        ref_loss = ref(x, y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_optimizer_accessor_without_optimizer_is_a_clear_error():
+    model = build_model("mlp")
+    step = _compile(model)
+    with pytest.raises(piper.PiperError, match="no optimizer"):
+        piper.optimizer(step)
+
+
+def test_explain_lists_program():
+    model = build_model("mlp")
+    step = _compile(model, directives=[piper.split(2)])
+    step(*model.make_batch(4, torch.Generator().manual_seed(0)))
+    text = piper.explain(step)
+    assert text.startswith("rank 0: F.mb0  F.mb1  B.mb0  B.mb1  UPD")
