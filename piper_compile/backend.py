@@ -126,7 +126,9 @@ class CompiledStep:
     # -- planning ----------------------------------------------------------------------------
     def _capture(self) -> None:
         self.joint = capture_joint(self.gm, self.example_inputs, self.sources)
-        self.segments = {s.name: s for s in extract_segments(self.joint)}
+        caps = [d.bucket_size for d in self.options.directives if isinstance(d, Replicate)]
+        bucket_bytes = min(caps) * 2**20 if caps else None
+        self.segments = {s.name: s for s in extract_segments(self.joint, bucket_bytes)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.steps.append(self)
         self.example_inputs = []  # drop references to the first batch

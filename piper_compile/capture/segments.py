@@ -114,8 +114,26 @@ def _is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op != "placeholder"
 
 
-def extract_segments(joint: JointGraph) -> list[Segment]:
-    """Cut the joint graph into segments; checks that regions form an acyclic segment graph."""
+def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -> list[list[fx.Node]]:
+    """Cut a backward node list after the node whose gradient outputs fill a bucket of ``cap_bytes``, so
+    each bucket's all-reduce can start while the rest of the backward still computes."""
+    chunks: list[list[fx.Node]] = [[]]
+    size = 0.0
+    for n in nodes:
+        chunks[-1].append(n)
+        fqn = joint.grad_of.get(n.name)
+        if fqn is not None:
+            p = joint.params[fqn]
+            size += p.numel() * p.element_size()
+            if size >= cap_bytes:
+                chunks.append([])
+                size = 0.0
+    return [c for c in chunks if c]
+
+
+def extract_segments(joint: JointGraph, bucket_bytes: float | None = None) -> list[Segment]:
+    """Cut the joint graph into segments (one per region and pass; backward ones further into
+    bucket-sized chunks when ``bucket_bytes`` is given); checks the segment graph is acyclic."""
     gm = joint.gm
     region, passes = assign_regions(gm)
     groups: dict[tuple[str, Region], list[fx.Node]] = {}
@@ -123,18 +141,21 @@ def extract_segments(joint: JointGraph) -> list[Segment]:
         if n.op in ("placeholder", "output"):
             continue
         groups.setdefault((passes[n.name], region[n.name]), []).append(n)
-    out_node = gm.graph.find_nodes(op="output")[0]
-    seg_of = {n.name: key for key, ns in groups.items() for n in ns}
-    segments = []
+    keyed: dict[tuple[str, Region, int], list[fx.Node]] = {}
     for (pass_, reg), nodes in groups.items():
-        segments.append(_build_segment(joint, pass_, reg, nodes, seg_of, out_node))
-    _check_acyclic(segments, seg_of, gm)
-    return segments
+        chunks = _chunk_backward(nodes, joint, bucket_bytes) if pass_ == "B" and bucket_bytes else [nodes]
+        for c, chunk in enumerate(chunks):
+            keyed[(pass_, reg, c if len(chunks) > 1 else -1)] = chunk
+    out_node = gm.graph.find_nodes(op="output")[0]
+    seg_of = {n.name: key for key, ns in keyed.items() for n in ns}
+    by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node) for key, nodes in keyed.items()}
+    _check_acyclic(by_key, seg_of)
+    return list(by_key.values())
 
 
-def _build_segment(joint: JointGraph, pass_: str, reg: Region, nodes: list[fx.Node],
+def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node],
                    seg_of: dict[str, Any], out_node: fx.Node) -> Segment:
-    key = (pass_, reg)
+    pass_, reg, chunk = key
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[str] = []
@@ -170,14 +191,14 @@ def _build_segment(joint: JointGraph, pass_: str, reg: Region, nodes: list[fx.No
             out_meta[n.name] = _meta_of(n)
     g.output(tuple(out_nodes))
     seg_gm = fx.GraphModule(joint.gm, g)
-    name = f"{pass_}.{region_label(reg) or 'all'}"
+    name = f"{pass_}.{region_label(reg) or 'all'}" + (f".c{chunk}" if chunk >= 0 else "")
     loss = joint.loss if joint.loss in outputs else None
     grads = tuple((v, joint.grad_of[v]) for v in outputs if v in joint.grad_of)
     return Segment(name, reg, pass_, seg_gm, tuple(inputs), tuple(outputs), loss, grads, out_meta)
 
 
-def _check_acyclic(segments: list[Segment], seg_of: dict[str, Any], gm: fx.GraphModule) -> None:
-    by_key = {(s.pass_, s.region): s for s in segments}
+def _check_acyclic(by_key: dict[Any, Segment], seg_of: dict[str, Any]) -> None:
+    segments = list(by_key.values())
     deps: dict[str, set[str]] = {s.name: set() for s in segments}
     witness: dict[tuple[str, str], str] = {}
     for s in segments:
@@ -194,7 +215,7 @@ def _check_acyclic(segments: list[Segment], seg_of: dict[str, Any], gm: fx.Graph
             if state.get(d) == 1:
                 cyc = path[path.index(d):] + [d] if d in path else [d, name]
                 via = ", ".join(f"{witness.get((b, a), '?')}" for a, b in zip(cyc, cyc[1:]))
-                regions = sorted({c.split('.', 1)[1] for c in cyc})
+                regions = sorted({c.split('.')[1] for c in cyc})
                 raise PiperCaptureError(
                     f"piper: region(s) {regions} are not contiguous: segments {' <- '.join(cyc)} depend on each "
                     f"other (through values {via}), so no stage order can run them. A region must be one "
@@ -208,3 +229,4 @@ def _check_acyclic(segments: list[Segment], seg_of: dict[str, Any], gm: fx.Graph
     for s in segments:
         if s.name not in state:
             visit(s.name, [s.name])
+

@@ -116,16 +116,17 @@ def _holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
     return holders
 
 
-def _buckets(params: list[str], ctx: PassContext, cap_mb: float) -> list[list[str]]:
-    cap = cap_mb * 1024 * 1024
+def _buckets(fqns: list[str], writers: dict[str, list[Node]]) -> list[list[str]]:
+    """One bucket per backward segment (chunk): capture cut backward at bucket-size boundaries, so a
+    bucket is complete as soon as its chunk of the last micro-batch has run."""
     out: list[list[str]] = []
-    size = 0.0
-    for p in params:
-        if not out or size + ctx.param_bytes[p] > cap and out[-1]:
+    last = None
+    for f in fqns:
+        seg = writers[f][0].attr("segment")
+        if seg != last:
             out.append([])
-            size = 0.0
-        out[-1].append(p)
-        size += ctx.param_bytes[p]
+            last = seg
+        out[-1].append(f)
     return out
 
 
@@ -149,7 +150,7 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         fqns.sort(key=lambda f: max(index[w.name] for w in writers[f]))
         w0 = writers[fqns[0]][0]
         if len(group) > 1:
-            for b, bucket in enumerate(_buckets(fqns, ctx, w0.attr("bucket_mb", 25.0))):
+            for b, bucket in enumerate(_buckets(fqns, writers)):
                 ar = Node(f"AR.{group_label(group)}.b{b}", Kind.ALL_REDUCE, make_tags({"BUCKET": b}), group,
                           w0.attr("reduce_stream", "dp"), (), (),
                           tuple(sorted({"params": tuple(bucket), "purpose": "grad"}.items())))
