@@ -232,7 +232,7 @@ class ItemBreak(PrintBreak):
 
 
 @pytest.mark.parametrize("model_cls", [PrintBreak, ItemBreak])
-def test_graph_break_without_fullgraph(model_cls: type[nn.Module], capsys: pytest.CaptureFixture) -> None:
+def test_graph_break_without_fullgraph(model_cls: type[nn.Module]) -> None:
     m = model_cls()
     step = _compile(m, [], fullgraph=False)
     msg = _first_call_error(step, _batch(m), PiperCaptureError)
