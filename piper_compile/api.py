@@ -7,7 +7,10 @@ import torch
 from torch import nn
 
 from piper_compile.backend import CompiledStep, Options, _STATES, state_for
+from piper_compile.capture.joint import source_names
 from piper_compile.errors import PiperError
+from piper_compile.ir.dag import TrainingDAG
+from piper_compile.plan.program import Program
 
 
 def _module_of(step: Any) -> nn.Module:
@@ -80,3 +83,32 @@ def last_stats(step: Any) -> Any:
         if False in cs.plans:
             return cs.plans[False].executor.stats
     raise PiperError("piper: the step has not trained yet")
+
+
+class StaticPlan:
+    """A strategy planned for ``world_size`` ranks in this process: the DAG and every rank's program."""
+
+    def __init__(self, dag: TrainingDAG, programs: list[Program]) -> None:
+        self.dag = dag
+        self.programs = programs
+
+    def text(self) -> str:
+        return "\n".join(p.to_text() for p in self.programs)
+
+
+def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int, forward_only: bool = False,
+         options: dict[str, Any] | None = None) -> StaticPlan:
+    """Capture ``model`` on ``example_args`` (one local replica's batch) and plan ``directives`` for
+    ``world_size`` ranks without launching anything; the programs are verified together."""
+    captured: dict[str, Any] = {}
+
+    def stash(gm: Any, example_inputs: list[Any], **_: Any) -> Any:
+        captured.update(gm=gm, inputs=list(example_inputs))
+        captured["sources"] = source_names(gm)
+        return gm.forward
+
+    torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*example_args)
+    cs = CompiledStep(captured["gm"], captured["inputs"], {**(options or {}), "directives": directives},
+                      world=(0, world_size))
+    cs.sources = captured["sources"]
+    return StaticPlan(*cs.build(forward_only))

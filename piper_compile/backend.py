@@ -103,7 +103,8 @@ _ANCHOR = torch.zeros((), requires_grad=True)
 class CompiledStep:
     """What the backend returns: one call = one training step (or forward only under no_grad)."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None,
+                 world: tuple[int, int] | None = None) -> None:
         self.gm = gm
         self.sources = source_names(gm)
         self.example_inputs = list(example_inputs)
@@ -114,7 +115,7 @@ class CompiledStep:
         self.compiled: dict[str, CompiledSegment] = {}
         self.plans: dict[bool, Plan] = {}
         self.state: TrainState | None = None
-        self.rank, self.world = world_info()
+        self.rank, self.world = world or world_info()
 
     @property
     def options(self) -> Options:
@@ -142,15 +143,20 @@ class CompiledStep:
                            j.batch_size, {f: p.numel() * p.element_size() for f, p in j.params.items()},
                            forward_only, static_op)
 
-    def plan(self, forward_only: bool) -> Plan:
+    def build(self, forward_only: bool) -> tuple[TrainingDAG, list[Program]]:
+        """The lowered DAG and every rank's verified program (no process group needed)."""
         if self.joint is None:
             self._capture()
-        if forward_only in self.plans:
-            return self.plans[forward_only]
         ctx = self.context(forward_only)
         dag = run_passes(build_dag(list(self.segments.values()), forward_only), self.options.directives, ctx)
         programs = build_programs(dag, self.world)
         verify_programs(programs)
+        return dag, programs
+
+    def plan(self, forward_only: bool) -> Plan:
+        if forward_only in self.plans:
+            return self.plans[forward_only]
+        dag, programs = self.build(forward_only)
         program = programs[self.rank]
         seg_names = {i.node.attr("segment") for i in program.instrs if i.node.attr("segment")}
         for name in seg_names:

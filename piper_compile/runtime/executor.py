@@ -96,6 +96,11 @@ class Executor:
         work, ins, pos = item
         if work is None:
             return
+        if self.state.device.type == "cuda":
+            # NCCL: wait() only makes the compute stream wait (no host block); the communicator's own
+            # timeout (set from options["timeout"] when the group was created) aborts a stuck op.
+            work.wait()
+            return
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo raises a plain RuntimeError on timeout

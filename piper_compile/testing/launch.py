@@ -23,11 +23,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, threads: int) -> None:
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, threads: int,
+           backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         result = fn(rank, world, *args)
         buf = io.BytesIO()  # plain bytes: tensors in shared memory would die with this process
@@ -44,12 +47,13 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
-              threads: int = 1) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns results by rank."""
+              threads: int = 1, backend: str = "gloo") -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` local processes (gloo; ``backend="nccl"`` puts
+    rank r on GPU r); returns results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads), daemon=False)
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads, backend), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

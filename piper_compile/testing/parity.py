@@ -26,6 +26,7 @@ class RunConfig:
     codegen: str = "eager"
     seed: int = 0
     no_grad_eval: bool = False  # also run one forward-only call under torch.no_grad() after training
+    device: str = "cpu"  # "cuda": rank r trains on GPU r over NCCL
 
     def replica_of(self, rank: int, world: int) -> int:
         for d in self.directives:
@@ -43,13 +44,17 @@ class RunConfig:
         return functools.partial(getattr(torch.optim, name), **kw)
 
 
+def _device(cfg: RunConfig) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+
+
 def _model(cfg: RunConfig) -> nn.Module:
-    return build_model(cfg.model, cfg.seed, **cfg.model_kwargs)
+    return build_model(cfg.model, cfg.seed, **cfg.model_kwargs).to(_device(cfg))
 
 
 def _global_batch(model: nn.Module, cfg: RunConfig, step: int, n: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(1000 + cfg.seed * 100 + step)
-    return model.make_batch(n, gen)  # type: ignore[operator]
+    return tuple(t.to(_device(cfg)) for t in model.make_batch(n, gen))  # type: ignore[operator]
 
 
 def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
@@ -85,7 +90,7 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     owned_names = {f for i in program.instrs if i.node.kind is Kind.UPDATE for f in i.node.attr("params")}
     by_id = {id(p): f for f, p in cs.joint.params.items()}
     params = list(model.parameters())
-    owned = {k: p.detach().clone() for k, p in enumerate(params) if by_id.get(id(p)) in owned_names}
+    owned = {k: p.detach().cpu().clone() for k, p in enumerate(params) if by_id.get(id(p)) in owned_names}
     stats = piper.last_stats(step)
     return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
             "collectives": dict(stats.collectives), "p2p": stats.p2p}
@@ -108,7 +113,8 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     if cfg.no_grad_eval:
         with torch.no_grad():
             eval_loss = model(*_global_batch(model, cfg, cfg.steps, dp * cfg.local_batch)).item()
-    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "eval_loss": eval_loss}
+    return {"losses": losses, "params": [p.detach().cpu().clone() for p in model.parameters()],
+            "eval_loss": eval_loss}
 
 
 def assert_parity(results: list[dict[str, Any]], ref: dict[str, Any], rtol: float = 1e-5, atol: float = 1e-6,
@@ -133,6 +139,7 @@ def assert_parity(results: list[dict[str, Any]], ref: dict[str, Any], rtol: floa
 def run_parity(cfg: RunConfig, world: int, rtol: float = 1e-5, atol: float = 1e-6) -> list[dict[str, Any]]:
     from piper_compile.testing.launch import run_local
 
-    results = run_local(piper_worker, world, cfg) if world > 1 else [piper_worker(0, 1, cfg)]
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    results = run_local(piper_worker, world, cfg, backend=backend) if world > 1 else [piper_worker(0, 1, cfg)]
     assert_parity(results, eager_reference(cfg, world), rtol, atol)
     return results

@@ -1,0 +1,5 @@
+import sys
+
+from piper_compile.cli import main
+
+sys.exit(main())
