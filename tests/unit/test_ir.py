@@ -106,11 +106,19 @@ def test_format_tags() -> None:
     assert make_tags({"b": 1, "a": "x"}) == (("a", "x"), ("b", 1))
 
 
-@pytest.mark.xfail(reason="ir/dag.py _parse_tags turns a str tag value made of digits ('3') into int 3, so "
-                          "to_text -> parse_dag does not give back an equal node", strict=True,
-                   raises=AssertionError)
-def test_round_trip_keeps_digit_string_tag_as_string() -> None:
-    n = Node("x", Kind.COMPUTE, make_tags({"EP": "3"}))
+@pytest.mark.parametrize("value", ["k:v", "-", "x-1"])
+def test_round_trip_of_str_tags_with_separator_characters(value: str) -> None:
+    n = Node("x", Kind.COMPUTE, make_tags({"EP": value}))
+    assert parse_node(n.to_text()) == n
+
+
+@pytest.mark.xfail(reason="ir/dag.py text form: a str tag value made of digits ('3', '-1') parses back as an int, "
+                          "and one holding a space or a comma makes parse_node fail to split the line; tag values "
+                          "come from user annotations (piper.annotate(m, EP='...')), so to_text -> parse_dag does "
+                          "not round-trip them", strict=True, raises=(AssertionError, ValueError))
+@pytest.mark.parametrize("value", ["3", "-1", "a b", "a,b"])
+def test_round_trip_of_str_tags_that_look_like_ints_or_hold_separators(value: str) -> None:
+    n = Node("x", Kind.COMPUTE, make_tags({"EP": value}))
     assert parse_node(n.to_text()) == n
 
 

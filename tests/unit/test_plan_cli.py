@@ -1,6 +1,7 @@
 """Planning without processes: ``piper.plan`` and ``python -m piper_compile explain``."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import piper_compile as piper
@@ -39,3 +40,39 @@ def test_cli_reports_piper_errors(capsys, tmp_path):
     bad.write_text('[{"op": "place", "filter": {"PP": 0}, "devices": [5]}]')
     assert main(["explain", "--model", "mlp", "--stages", "2", "--world-size", "2", "--directives", str(bad)]) == 2
     assert "outside the world" in capsys.readouterr().err
+
+
+class _AutoTagged(torch.nn.Module):
+    """Tags regions inside forward with auto-indexed ``annotate("PP")`` blocks."""
+
+    def __init__(self, mixed: bool = False) -> None:
+        super().__init__()
+        self.mixed = mixed
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with piper.annotate("PP"):
+            x = torch.tanh(self.a(x))
+        with piper.annotate("PP"):
+            x = torch.tanh(self.b(x))
+        if self.mixed:
+            with piper.annotate(PP=5):
+                x = x * 2
+        return torch.nn.functional.mse_loss(self.c(x), y)
+
+
+def test_auto_indexed_annotations_become_stages():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    result = piper.plan(_AutoTagged(), x, y, directives=[*piper.pipeline(2), piper.split(2)], world_size=2)
+    regions = {i.node.tag("PP") for p in result.programs for i in p.instrs if i.node.kind is Kind.COMPUTE}
+    assert regions == {0, 1}
+    # the untagged head + loss join the latest tagged input's region: the last stage
+    owners = {i.node.attr("segment") for i in result.programs[1].instrs if i.node.kind is Kind.COMPUTE}
+    assert owners == {"F.PP1", "B.PP1"}
+
+
+def test_mixing_auto_and_explicit_indices_is_rejected():
+    with pytest.raises(piper.PiperCaptureError, match="both auto-indexed"):
+        piper.plan(_AutoTagged(mixed=True), torch.randn(4, 8), torch.randn(4, 8), directives=[], world_size=1)
