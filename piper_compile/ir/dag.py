@@ -54,18 +54,9 @@ def make_tags(d: dict[str, TagValue]) -> Tags:
 
 
 def format_tags(tags: Tags | dict[str, TagValue]) -> str:
+    """``{"PP":1,"PASS":"F"}`` -- JSON, so string tags that look like ints or hold separators round-trip."""
     items = tags.items() if isinstance(tags, dict) else tags
-    return ",".join(f"{k}:{v}" for k, v in items) or "-"
-
-
-def _parse_tags(text: str) -> Tags:
-    if text == "-":
-        return ()
-    out: list[tuple[str, TagValue]] = []
-    for item in text.split(","):
-        k, v = item.split(":", 1)
-        out.append((k, int(v) if v.lstrip("-").isdigit() else v))
-    return tuple(out)
+    return json.dumps(dict(items), separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +108,9 @@ class Node:
         dev = ",".join(map(str, self.devices)) or "-"
         attrs = json.dumps(dict(self.attrs), sort_keys=True, separators=(",", ":"))
         return (
-            f"{self.kind.value} {self.name} dev={dev} stream={self.stream} tags={format_tags(self.tags)} "
-            f"in={','.join(self.inputs) or '-'} out={','.join(self.outputs) or '-'} attrs={attrs}"
+            f"{self.kind.value} {self.name} dev={dev} stream={self.stream} "
+            f"in={','.join(self.inputs) or '-'} out={','.join(self.outputs) or '-'} "
+            f"tags={format_tags(self.tags)} attrs={attrs}"
         )
 
 
@@ -130,8 +122,12 @@ def _tuplify(x: Any) -> Any:
 
 def parse_node(line: str) -> Node:
     """Inverse of ``Node.to_text``."""
-    head, attrs_text = line.split(" attrs=", 1)
-    kind, name, dev, stream, tags, ins, outs = head.split(" ")
+    kind, name, dev, stream, ins, outs, rest = line.split(" ", 6)
+    assert rest.startswith("tags="), line
+    decoder = json.JSONDecoder()
+    tag_dict, end = decoder.raw_decode(rest, len("tags="))
+    assert rest[end:].startswith(" attrs="), line
+    attrs_text = rest[end + len(" attrs="):]
 
     def field_(text: str, key: str) -> str:
         assert text.startswith(key + "="), (text, key)
@@ -145,7 +141,7 @@ def parse_node(line: str) -> Node:
     return Node(
         name=name,
         kind=Kind(kind),
-        tags=_parse_tags(field_(tags, "tags")),
+        tags=tuple(tag_dict.items()),
         devices=() if d == "-" else tuple(int(x) for x in d.split(",")),
         stream=field_(stream, "stream"),
         inputs=names(field_(ins, "in")),

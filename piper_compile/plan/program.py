@@ -10,6 +10,10 @@ from piper_compile.ir.dag import Kind, Node, TrainingDAG
 _PASS_RANK = {"F": 0, "BI": 1, "B": 1, "BW": 2}
 
 
+def p2p_channel(stream: str, src: int, dst: int) -> str:
+    return f"{stream}:{'up' if src < dst else 'down'}"
+
+
 @dataclass(frozen=True, slots=True)
 class Instr:
     node: Node
@@ -24,6 +28,15 @@ class Instr:
     @property
     def is_async(self) -> bool:
         return self.node.kind.is_comm
+
+    def group_name(self, rank: int) -> str:
+        """Process group this instruction runs on when executed by ``rank``: its stream, and for
+        point-to-point traffic also the direction, so the two directions of a rank pair never queue
+        behind each other (NCCL would otherwise run both on one communicator stream)."""
+        if self.peer is None:
+            return self.node.stream
+        src, dst = (rank, self.peer) if self.node.kind is Kind.SEND else (self.peer, rank)
+        return p2p_channel(self.node.stream, src, dst)
 
     def short(self) -> str:
         n = self.node
@@ -74,38 +87,49 @@ def _priority(node: Node) -> tuple:
     return (2, 0, 0)
 
 
+def _global_order(dag: TrainingDAG) -> list[str]:
+    """One topological order of the whole DAG (cross-rank dependencies included), cached on the DAG."""
+    key = ("global_order", len(dag.nodes), len(dag.order_edges))
+    if dag.meta.get("_order_key") != key:
+        dag.meta["_order"] = dag.topo_order(key=_priority)
+        dag.meta["_order_key"] = key
+    return dag.meta["_order"]
+
+
 def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
-    local = {n.name for n in dag if rank in n.devices}
-    sub = TrainingDAG({k: v for k, v in dag.nodes.items() if k in local and dag.nodes[k].kind is not Kind.RECV})
+    """This rank's instructions: the global order restricted to the rank, with each RECV posted one
+    compute step before its first consumer, and RECVs from one peer on one stream posted in the order
+    that peer sends them (point-to-point messages of a rank pair match in order on NCCL and gloo)."""
+    glob = _global_order(dag)
+    gpos = {n: i for i, n in enumerate(glob)}
+    order = [dag.nodes[n] for n in glob if rank in dag.nodes[n].devices and dag.nodes[n].kind is not Kind.RECV]
     preds = dag.predecessors()
-    for b in sub.nodes:
-        for a in preds[b]:
-            if a in sub.nodes:
-                sub.order_edges.add((a, b))
-    order = [dag.nodes[n] for n in sub.topo_order(key=_priority)]
-    # RECVs are posted one compute step before their first consumer: early enough to overlap, late
-    # enough not to hold every micro-batch's buffer at once.
     succs: dict[str, list[str]] = defaultdict(list)
     for b, ps in preds.items():
         for a in ps:
             succs[a].append(b)
     pos = {n.name: i for i, n in enumerate(order)}
-    inserts: list[tuple[int, int, Node]] = []
-    for i, n in enumerate(dag):
-        if n.kind is not Kind.RECV or n.name not in local:
+    send_of = {n.attr("msg"): n.name for n in dag.of_kind(Kind.SEND)}
+    channels: dict[tuple[str, int], list[tuple[int, int, Node]]] = defaultdict(list)
+    for n in dag.of_kind(Kind.RECV):
+        if rank not in n.devices:
             continue
         first = min((pos[s] for s in succs[n.name] if s in pos), default=len(order))
-        at = first
+        at = 0
         for j in range(first - 1, -1, -1):
-            at = j
             if order[j].kind is Kind.COMPUTE:
+                at = j
                 break
-        else:
-            at = 0
-        inserts.append((at, i, n))
+        channels[(n.stream, _peer(n, rank))].append((gpos[send_of[n.attr("msg")]], at, n))
+    inserts: list[tuple[int, int, Node]] = []
+    for chan in channels.values():
+        chan.sort(key=lambda t: t[0])  # the peer's send order
+        latest = len(order)
+        for send_pos, at, n in reversed(chan):  # never post a RECV after a later message of the channel
+            latest = min(latest, at)
+            inserts.append((latest, send_pos, n))
     for at, _, n in sorted(inserts, key=lambda t: (t[0], t[1]), reverse=True):
         order.insert(at, n)
-    # Stable re-sort of inserts at the same position keeps DAG order; reverse insertion above keeps it.
     return order
 
 

@@ -3,8 +3,9 @@
 Model (the stricter of NCCL and gloo, so a plan it accepts runs on both): each rank's host thread
 issues instructions in order; compute blocks the host until the async instructions it waits on are
 complete; communication is queued FIFO: a collective on its stream's queue (one per rank and stream),
-a SEND/RECV on the queue of its stream *and peer* (NCCL runs point-to-point traffic of each rank
-pair on its own communicator, gloo on its own pair); a SEND and its RECV complete together when both
+a SEND/RECV on the queue of its stream, peer and direction (NCCL runs point-to-point traffic of each
+rank pair on its own communicator, gloo on its own pair; piper gives each direction its own process
+group per stream, see ``Instr.group_name``); a SEND and its RECV complete together when both
 are at the head of their queues (rendezvous); a collective completes when it is at the head of the
 stream queue of every member. A state where no rank can move
 is a deadlock, reported as a rank x step grid with the stuck instruction marked.
@@ -69,7 +70,7 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
     ranks = [p.rank for p in programs]
     pcs = [0] * len(programs)
     done: list[set[str]] = [set() for _ in programs]
-    queues: dict[tuple[int, str, int], deque[Instr]] = {}
+    queues: dict[tuple[int, str, int], deque[Instr]] = {}  # (rank, group name, peer or -1)
     rounds = 0
     while True:
         rounds += 1
@@ -93,20 +94,22 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
 
 
 def _queue_key(rank: int, ins: Instr) -> tuple[int, str, int]:
-    return (rank, ins.node.stream, -1 if ins.peer is None else ins.peer)
+    if ins.peer is None:  # a collective: one process group per (stream, members)
+        return (rank, f"{ins.node.stream}@{','.join(map(str, sorted(ins.node.devices)))}", -1)
+    return (rank, ins.group_name(rank), ins.peer)
 
 
 def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tuple[int, str, int], deque[Instr]],
                     done: list[set[str]]) -> bool:
     idx = {r: k for k, r in enumerate(ranks)}
     moved = False
-    for (rank, stream, _), q in list(queues.items()):
+    for (rank, group, _), q in list(queues.items()):
         if not q:
             continue
         head = q[0]
         kind = head.node.kind
         if kind in (Kind.SEND, Kind.RECV):
-            pq = queues.get((head.peer, stream, rank))
+            pq = queues.get((head.peer, group, rank))
             want = Kind.RECV if kind is Kind.SEND else Kind.SEND
             if pq and pq[0].node.kind is want and pq[0].node.attr("msg") == head.node.attr("msg"):
                 q.popleft()
@@ -116,7 +119,7 @@ def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tupl
                 moved = True
         else:
             members = head.node.devices
-            heads = [queues.get((m, stream, -1)) for m in members]
+            heads = [queues.get((m, group, -1)) for m in members]  # same stream and members: same group
             if all(h and h[0].name == head.name for h in heads):
                 for m, h in zip(members, heads):
                     h.popleft()  # type: ignore[union-attr]
@@ -128,7 +131,8 @@ def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tupl
                 if others:
                     m, name = others[0]
                     raise PiperPlanError(
-                        f"piper: collectives issued in different orders on stream {stream!r}: rank {rank} issues "
+                        f"piper: collectives issued in different orders on stream {head.node.stream!r} (group "
+                        f"{list(members)}): rank {rank} issues "
                         f"{head.name} while rank {m} issues {name} at the same position; every member of a group "
                         "must issue its collectives in the same order\n"
                         + format_grid(programs, [0] * len(programs), {}))

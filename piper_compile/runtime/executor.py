@@ -193,7 +193,7 @@ class Executor:
         return dist.all_reduce(t, group=self.groups.get(n.stream, n.devices), async_op=True)
 
     def _group(self, ins: Instr) -> Any:
-        return self.groups.get(ins.node.stream, tuple(range(dist.get_world_size())))
+        return self.groups.get(ins.group_name(self.rank), tuple(range(dist.get_world_size())))
 
     def _batch_size(self, args: list[Any]) -> int:
         for s in self.joint.inputs:

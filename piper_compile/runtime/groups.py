@@ -23,8 +23,9 @@ def group_keys(dag: TrainingDAG, world_size: int) -> list[tuple[str, tuple[int, 
     for n in dag:
         if n.kind.is_collective:
             keys.add((n.stream, tuple(sorted(n.devices))))
-        elif n.kind.is_comm:
-            keys.add((n.stream, tuple(range(world_size))))
+        elif n.kind.is_comm:  # point-to-point: one group per direction (see Instr.group_name)
+            keys.add((f"{n.stream}:up", tuple(range(world_size))))
+            keys.add((f"{n.stream}:down", tuple(range(world_size))))
     return sorted(keys)
 
 
