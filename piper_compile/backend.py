@@ -17,7 +17,9 @@ from torch import fx, nn
 from piper_compile.capture.joint import INPUT, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen.compile import CompiledSegment
-from piper_compile.directives.spec import Directive, Replicate, parse_directives
+from piper_compile.directives.spec import (
+    Directive, Replicate, filter_matches, parse_directives, split_backward_filters,
+)
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.passes.build import build_dag
@@ -129,7 +131,12 @@ class CompiledStep:
         self.joint = capture_joint(self.gm, self.example_inputs, self.sources)
         caps = [d.bucket_size for d in self.options.directives if isinstance(d, Replicate)]
         bucket_bytes = min(caps) * 2**20 if caps else None
-        self.segments = {s.name: s for s in extract_segments(self.joint, bucket_bytes)}
+        split = split_backward_filters(self.options.directives)
+
+        def split_bw(region: Any) -> bool:
+            return any(filter_matches(f, dict(region)) for f in split)
+
+        self.segments = {s.name: s for s in extract_segments(self.joint, bucket_bytes, split_bw if split else None)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.steps.append(self)
         self.example_inputs = []  # drop references to the first batch

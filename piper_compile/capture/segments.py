@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -131,9 +131,29 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -
     return [c for c in chunks if c]
 
 
-def extract_segments(joint: JointGraph, bucket_bytes: float | None = None) -> list[Segment]:
-    """Cut the joint graph into segments (one per region and pass; backward ones further into
-    bucket-sized chunks when ``bucket_bytes`` is given); checks the segment graph is acyclic."""
+def split_backward(nodes: list[fx.Node], joint: JointGraph, out_node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Cut one region's backward into BI (everything the gradients leaving the region -- input and
+    activation gradients -- depend on) and BW (the rest: weight gradients). Reachability in the joint
+    graph decides; values BW needs from BI become BI outputs when the segments are built."""
+    member = {n.name for n in nodes}
+    roots = [n for n in nodes if n.name not in joint.grad_of
+             and any(u is out_node or u.name not in member for u in n.users)]
+    bi: set[str] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.name in bi:
+            continue
+        bi.add(n.name)
+        stack.extend(a for a in n.all_input_nodes if a.name in member)
+    return [n for n in nodes if n.name in bi], [n for n in nodes if n.name not in bi]
+
+
+def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
+                     split_bw: Callable[[Region], bool] | None = None) -> list[Segment]:
+    """Cut the joint graph into segments: one per region and pass; the backward of regions for which
+    ``split_bw`` holds is cut into BI and BW; backward (or BW) segments are further cut into
+    bucket-sized chunks when ``bucket_bytes`` is given. Checks the segment graph is acyclic."""
     gm = joint.gm
     region, passes = assign_regions(gm)
     groups: dict[tuple[str, Region], list[fx.Node]] = {}
@@ -141,12 +161,18 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None) -> li
         if n.op in ("placeholder", "output"):
             continue
         groups.setdefault((passes[n.name], region[n.name]), []).append(n)
+    out_node = gm.graph.find_nodes(op="output")[0]
     keyed: dict[tuple[str, Region, int], list[fx.Node]] = {}
     for (pass_, reg), nodes in groups.items():
-        chunks = _chunk_backward(nodes, joint, bucket_bytes) if pass_ == "B" and bucket_bytes else [nodes]
-        for c, chunk in enumerate(chunks):
-            keyed[(pass_, reg, c if len(chunks) > 1 else -1)] = chunk
-    out_node = gm.graph.find_nodes(op="output")[0]
+        parts = [(pass_, nodes)]
+        if pass_ == "B" and split_bw is not None and split_bw(reg):
+            bi, bw = split_backward(nodes, joint, out_node)
+            parts = [("BI", bi), ("BW", bw)]
+        for part_pass, part in parts:
+            chunked = part_pass in ("B", "BW") and bucket_bytes
+            chunks = _chunk_backward(part, joint, bucket_bytes) if chunked else [part]  # type: ignore[arg-type]
+            for c, chunk in enumerate(chunks):
+                keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
     seg_of = {n.name: key for key, ns in keyed.items() for n in ns}
     by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node) for key, nodes in keyed.items()}
     _check_acyclic(by_key, seg_of)

@@ -261,13 +261,33 @@ def parse_directives(source: Any) -> list[Directive]:
 
 
 def filter_matches(flt: Filter, tags: dict[str, Any]) -> bool:
-    """A filter matches when every key is present with an equal value ("*" = any value)."""
+    """A filter matches when every key is present with an equal value ("*" = any value).
+    ``PASS: "B"`` also matches the two halves of a split backward (BI and BW)."""
     for k, v in flt.items():
         if k not in tags:
             return False
-        if v != ANY and tags[k] != v:
-            return False
+        if v == ANY or tags[k] == v:
+            continue
+        if k == "PASS" and v == "B" and tags[k] in ("BI", "BW"):
+            continue
+        return False
     return True
+
+
+def split_backward_filters(directives: Iterable[Directive]) -> list[Filter]:
+    """Filters (without PASS and the micro-batch tag) of every order step that names BI or BW: the
+    regions they match get their backward split into BI and BW at capture."""
+    mb_tags = {d.dim_name for d in directives if isinstance(d, Split)} | {"MB"}
+    out: list[Filter] = []
+    for d in directives:
+        if isinstance(d, Order):
+            for group in d.filters:
+                for f in group:
+                    if f.get("PASS") in ("BI", "BW"):
+                        base = {k: v for k, v in f.items() if k != "PASS" and k not in mb_tags}
+                        if base not in out:
+                            out.append(base)
+    return out
 
 
 def filter_keys(directives: Iterable[Directive]) -> set[str]:

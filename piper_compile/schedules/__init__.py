@@ -1,4 +1,6 @@
-"""Schedule builders: each returns ``order`` directives (one per stage) in the JSON vocabulary."""
-from piper_compile.schedules.builders import gpipe, one_f_one_b, stage_sequence
+"""Schedule builders: each returns ``order`` directives (one per rank), plus placements for virtual stages."""
+from piper_compile.schedules.builders import (
+    gpipe, interleaved_1f1b, one_f_one_b, round_robin, stage_sequence, v_shape, zb_h1,
+)
 
-__all__ = ["gpipe", "one_f_one_b", "stage_sequence"]
+__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "round_robin", "stage_sequence", "v_shape", "zb_h1"]
