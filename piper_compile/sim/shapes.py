@@ -1,0 +1,117 @@
+"""Concrete sizes for the simulator: symbol values (the batch symbol at the micro-batch size), bytes of
+every DAG value and parameter, read from the plan's segments (``dag.meta["segments"]``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from piper_compile.ir.dag import Kind, TrainingDAG
+
+
+def _hints(val: Any, out: dict[str, int]) -> None:
+    """Record the capture-time value of every backed symbol in ``val`` (a SymInt or a fake tensor)."""
+    dims = [val] if isinstance(val, torch.SymInt) else list(val.shape) if isinstance(val, torch.Tensor) else []
+    for d in dims:
+        if not isinstance(d, torch.SymInt):
+            continue
+        env = getattr(d.node.shape_env, "backed_var_to_val", None) or getattr(d.node.shape_env, "var_to_val", {})
+        for sym, v in env.items():
+            if str(sym).startswith("s") and str(sym) not in out:
+                try:
+                    out[str(sym)] = int(v)
+                except TypeError:
+                    pass
+
+
+def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> dict[str, int]:
+    """Symbol -> value used to make shapes concrete: capture-time values, with the batch symbol (dim 0
+    of the batched user inputs) divided by the number of micro-batches, as the runtime does."""
+    segments = dag.meta.get("segments", {})
+    hints: dict[str, int] = {}
+    batch_syms: set[str] = set()
+    for seg in segments.values():
+        phs = [n for n in seg.gm.graph.nodes if n.op == "placeholder"]
+        for value, ph in zip(seg.inputs, phs):
+            val = ph.meta.get("val")
+            _hints(val, hints)
+            if value.startswith("input:") and isinstance(val, torch.Tensor) and val.dim() > 0:
+                d0 = val.shape[0]
+                if isinstance(d0, torch.SymInt) and isinstance(d0.node.expr, sympy.Symbol):
+                    batch_syms.add(str(d0.node.expr))
+    m = int(dag.meta.get("split", 1))
+    out = {s: (v // m if s in batch_syms else v) for s, v in hints.items()}
+    out.update(overrides or {})
+    return out
+
+
+def concrete(dim: Any, symbols: dict[str, int]) -> int:
+    """A dimension (int, SymInt or expression string such as ``"s95*s75"``) at the given symbol values."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, torch.SymInt):
+        expr = dim.node.expr
+    else:
+        text = str(dim)
+        if text.lstrip("-").isdigit():
+            return int(text)
+        expr = sympy.sympify(text.replace(";", ","), locals={k: sympy.Symbol(k) for k in symbols})
+    return int(expr.xreplace({sympy.Symbol(k): v for k, v in symbols.items()}))
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    d = getattr(torch, dtype, None)
+    return d.itemsize if isinstance(d, torch.dtype) else 0
+
+
+def numel(shape: Any, symbols: dict[str, int]) -> int:
+    n = 1
+    for d in shape:
+        n *= concrete(d, symbols)
+    return n
+
+
+@dataclass
+class Sizes:
+    """Bytes of values, parameters and messages of one plan."""
+
+    symbols: dict[str, int] = field(default_factory=dict)
+    values: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # base value -> (shape, dtype)
+    params: dict[str, int] = field(default_factory=dict)  # fqn -> bytes
+    messages: dict[str, int] = field(default_factory=dict)  # SEND/RECV msg -> bytes
+
+    @classmethod
+    def from_dag(cls, dag: TrainingDAG | None, symbols: dict[str, int] | None = None) -> "Sizes":
+        """Sizes for ``dag`` (empty when there is no DAG or it has no segments: everything 0 bytes)."""
+        if dag is None:
+            return cls()
+        syms = symbol_values(dag, symbols)
+        out = cls(syms)
+        for seg in dag.meta.get("segments", {}).values():
+            out.values.update(seg.out_meta)
+            phs = [n for n in seg.gm.graph.nodes if n.op == "placeholder"]
+            for value, ph in zip(seg.inputs, phs):
+                val = ph.meta.get("val")
+                if value.startswith("param:") and isinstance(val, torch.Tensor):
+                    out.params[value[len("param:"):]] = numel(val.shape, syms) * val.dtype.itemsize
+        for n in dag.of_kind(Kind.RECV):
+            if n.attr("state"):
+                out.messages[n.attr("msg")] = out.params.get(n.attr("state"), 0)
+            else:
+                out.messages[n.attr("msg")] = out.tensor_bytes(n.attr("shape") or (), n.attr("dtype") or "")
+        return out
+
+    def tensor_bytes(self, shape: Any, dtype: str) -> int:
+        return numel(shape, self.symbols) * dtype_bytes(dtype)
+
+    def value_bytes(self, value: str) -> int:
+        """Bytes of a computed value (``x@mb3``); 0 when unknown."""
+        meta = self.values.get(value.rsplit("@mb", 1)[0])
+        return self.tensor_bytes(*meta) if meta else 0
+
+    def params_bytes(self, fqns: Any) -> int:
+        return sum(self.params.get(f, 0) for f in fqns)
