@@ -1,0 +1,36 @@
+"""Advanced pipeline schedules against eager single-process training (real gloo ranks, 8 micro-batches,
+the GPT whose token embedding is tied to the LM head: a weight shared by the first and last stage)."""
+from __future__ import annotations
+
+import pytest
+
+import piper_compile as piper
+from piper_compile.testing.parity import RunConfig, run_parity
+
+pytestmark = pytest.mark.slow
+S = piper.schedules
+
+
+def _gpt(stages: int, directives: list) -> RunConfig:
+    return RunConfig(model="gpt", model_kwargs={"layers": stages}, stages=stages, directives=directives)
+
+
+def test_interleaved_1f1b_2_ranks_2_virtual_stages():
+    res = run_parity(_gpt(4, [*S.round_robin(2, 2), piper.split(8), *S.interleaved_1f1b(2, 2, 8)]), 2)
+    assert "F2.mb0" in res[0]["program"] and "F3.mb0" in res[1]["program"]  # two stages per rank
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_zb_h1(ranks):
+    res = run_parity(_gpt(ranks, [*piper.pipeline(ranks), piper.split(8), *S.zb_h1(ranks, 8)]), ranks)
+    assert "BI" in res[-1]["program"] and "BW" in res[-1]["program"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_zbv(ranks):
+    run_parity(_gpt(2 * ranks, [piper.split(8), *S.zbv(ranks, 8)]), ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_dualpipe_v(ranks):
+    run_parity(_gpt(2 * ranks, [piper.split(8), *S.dualpipe_v(ranks, 8)]), ranks)
