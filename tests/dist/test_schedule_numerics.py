@@ -34,3 +34,21 @@ def test_zbv(ranks):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_dualpipe_v(ranks):
     run_parity(_gpt(2 * ranks, [piper.split(8), *S.dualpipe_v(ranks, 8)]), ranks)
+
+
+def test_torch_pipelining_zbv_csv_runs_in_piper(tmp_path):
+    """A schedule written by torch.distributed.pipelining (ScheduleZBVZeroBubble._dump_csv) loads as
+    piper directives and trains to the same numbers as eager."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(4, 4), i, 4, torch.device("cpu")) for i in (0, 3)]
+        ScheduleZBVZeroBubble(stages, n_microbatches=8, loss_fn=lambda o, t: o.sum())._dump_csv(str(tmp_path / "z.csv"))
+    finally:
+        dist.destroy_process_group()
+    run_parity(_gpt(4, [piper.split(8), *S.read_csv(tmp_path / "z.csv")]), 2)
