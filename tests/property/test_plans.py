@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import signal
 from collections import Counter
 from typing import Any, Iterator
@@ -17,39 +18,57 @@ from hypothesis import strategies as st
 import piper_compile as piper
 from piper_compile import PiperDirectiveError, PiperError, PiperPlanError
 from piper_compile.backend import CompiledStep
-from piper_compile.directives.spec import parse_directives
+from piper_compile.directives.spec import Replicate, parse_directives
 from piper_compile.ir.dag import Kind, TrainingDAG, parse_dag
-from piper_compile.passes.build import build_dag
-from piper_compile.passes.driver import run_passes
 from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.verifier import verify_programs
-from piper_compile.schedules.builders import stage_sequence
+from piper_compile.schedules.builders import stage_sequence as _stage_sequence
 from piper_compile.testing.models import build_model
+
+
+def stage_sequence(kind: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """``(PASS, MB)`` steps of one stage from the library's builder (whose steps may also name the stage)."""
+    out = []
+    for step in _stage_sequence(kind, stage, stages, microbatches):
+        if len(step) == 3:
+            p, st_, mb = step
+            assert st_ == stage, (kind, stage, step)
+        else:
+            p, mb = step
+        out.append((p, mb))
+    return out
+
 
 MAX_STAGES = 6
 DEPTH = 6  # one Linear per stage at 6 stages
 BATCH = 2520  # divisible by every micro-batch count 1..10
+TINY_BUCKET_MB = 0.0002  # ~210 bytes: every 8x8 weight fills a bucket, so backward is cut into chunks
 SCHEDULES = {"gpipe": piper.schedules.gpipe, "1f1b": piper.schedules.one_f_one_b}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _reset_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
+def _drop_captures() -> Iterator[None]:
     yield
-    torch._dynamo.reset()
     _captured.cache_clear()
+    torch._dynamo.reset()
 
 
 @functools.cache
-def _captured(stages: int) -> CompiledStep:
-    """An MLP annotated with ``stages`` stages, captured once: Dynamo graph -> joint graph -> segments."""
-    model = build_model("mlp", dim=8, depth=DEPTH)
+def _captured(model_name: str, stages: int, bucket_mb: float | None) -> CompiledStep:
+    """A model annotated with ``stages`` stages, captured once per backward bucket size: Dynamo graph ->
+    joint graph -> segments (what ``piper.plan`` does on every call; cached here to keep examples fast)."""
+    if model_name == "gpt":
+        model = build_model("gpt", layers=3, dim=16, heads=2, seq=8)
+    else:
+        model = build_model(model_name, dim=8, depth=DEPTH)
     model.annotate_stages(stages)  # type: ignore[operator]
+    options = {"directives": [] if bucket_mb is None else [piper.replicate(bucket_mb=bucket_mb)]}
     box: dict[str, CompiledStep] = {}
+    torch._dynamo.reset()  # many models share MLPChain.forward: stay under Dynamo's recompile limit
 
     def stash(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        box["step"] = CompiledStep(gm, example_inputs, {"codegen": "eager"})  # reads Dynamo's sources now
+        box["step"] = CompiledStep(gm, example_inputs, options, world=(0, 1))  # reads Dynamo's sources now
         return gm.forward
 
     torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(
@@ -59,14 +78,15 @@ def _captured(stages: int) -> CompiledStep:
     return step
 
 
-def plan(stages: int, world: int, directives: list[Any], forward_only: bool = False
+def plan(stages: int, world: int, directives: list[Any], forward_only: bool = False, model: str = "mlp"
          ) -> tuple[TrainingDAG, list[Program]]:
-    """The global DAG and every rank's program for ``world`` ranks (what each rank computes at its first call)."""
-    step = _captured(stages)
-    ctx = step.context(forward_only)
-    ctx.world_size = world
-    dag = run_passes(build_dag(list(step.segments.values()), forward_only), parse_directives(directives), ctx)
-    return dag, build_programs(dag, world)
+    """The global DAG and every rank's verified program for ``world`` ranks, as each rank builds them at its
+    first call (``CompiledStep.build``), without processes or a process group."""
+    caps = [d.bucket_size for d in parse_directives(directives) if isinstance(d, Replicate)]
+    base = _captured(model, stages, min(caps) if caps else None)
+    step = CompiledStep(base.gm, [], {"directives": directives, "codegen": "eager"}, world=(0, world))
+    step.sources, step.joint, step.segments = base.sources, base.joint, base.segments
+    return step.build(forward_only)
 
 
 @contextlib.contextmanager
@@ -84,11 +104,11 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def strategy(stages: int, microbatches: int, kind: str, dp: int) -> list[Any]:
+def strategy(stages: int, microbatches: int, kind: str, dp: int, bucket_mb: float = 25.0) -> list[Any]:
     ranks = [[s + r * stages for r in range(dp)] for s in range(stages)]
     out = [*piper.pipeline(stages, ranks), piper.split(microbatches), *SCHEDULES[kind](stages, microbatches)]
     if dp > 1:
-        out.append(piper.replicate({"PP": "*"}))
+        out.append(piper.replicate({"PP": "*"}, bucket_mb=bucket_mb))
     return out
 
 
@@ -97,24 +117,25 @@ def _stage_of(rank: int, stages: int) -> int:
 
 
 def _compute_steps(program: Program) -> list[tuple[str, int]]:
-    return [(i.node.tag("PASS"), i.node.tag("MB")) for i in program.instrs if i.node.kind is Kind.COMPUTE]
+    """(PASS, MB) of the rank's compute steps in program order; the chunks of one cut backward count once."""
+    steps = [(i.node.tag("PASS"), i.node.tag("MB")) for i in program.instrs if i.node.kind is Kind.COMPUTE]
+    return [k for k, _ in itertools.groupby(steps)]
 
 
+Case = tuple[int, int, str, int, float]  # stages, micro-batches, schedule, data-parallel degree, bucket MB
+_buckets = st.sampled_from([25.0, TINY_BUCKET_MB])
 plans = st.tuples(st.integers(1, MAX_STAGES), st.integers(1, 10), st.sampled_from(sorted(SCHEDULES)),
-                  st.sampled_from([1, 2]))
+                  st.sampled_from([1, 2]), _buckets)
 
 
-# -- valid strategies verify ---------------------------------------------------------------------------
-@settings(max_examples=40, **SETTINGS)
-@given(plans)
-def test_random_pipeline_plans_verify(p: tuple[int, int, str, int]) -> None:
-    stages, m, kind, dp = p
+def check_pipeline_plan(model: str, stages: int, m: int, kind: str, dp: int, bucket_mb: float) -> None:
+    """Plan ``model`` with ``stages`` x ``dp`` ranks and check the plan verifies and has the expected shape."""
     world = stages * dp
     with time_limit(20):
-        dag, programs = plan(stages, world, strategy(stages, m, kind, dp))
+        dag, programs = plan(stages, world, strategy(stages, m, kind, dp, bucket_mb), model=model)
         verify_programs(programs)
     assert [prog.rank for prog in programs] == list(range(world))
-    all_params = set(_captured(stages).joint.params)  # type: ignore[union-attr]
+    all_params = {f for n in dag if n.kind is Kind.COMPUTE for _, f in n.attr("grads", ()) or ()}
     updated: Counter[str] = Counter()
     for prog in programs:
         s = _stage_of(prog.rank, stages)
@@ -125,25 +146,70 @@ def test_random_pipeline_plans_verify(p: tuple[int, int, str, int]) -> None:
         assert len(upd) == 1, prog.to_text()
         if prog.rank < stages:  # one replica of each stage
             updated.update(upd[0].node.attr("params"))
+            assert len(set(upd[0].node.attr("params"))) == len(upd[0].node.attr("params"))
         # every value a rank reads was produced on that rank or is external
         local_out = {v for i in prog.instrs for v in i.node.outputs}
         external = dag.external_values()
         for i in prog.instrs:
             assert all(v in local_out or v in external for v in i.node.inputs), (prog.rank, i.name)
-    assert set(updated) == all_params and set(updated.values()) == {1}  # every parameter updated once
-    n_p2p = sum(1 for n in dag if n.kind is Kind.SEND)
-    assert n_p2p == 2 * m * (stages - 1)  # per boundary and micro-batch: activation forward, gradient back
+    # every parameter is updated once per step on each stage that holds it (a tied weight on each holder)
+    holders = {f: {n.tag("PP") for n in dag if n.kind is Kind.COMPUTE and f"param:{f}" in n.inputs}
+               for f in all_params}
+    assert updated == Counter({f: len(h) for f, h in holders.items()})
+    sends = [n for n in dag if n.kind is Kind.SEND and not n.attr("state")]
+    if model == "mlp":  # per boundary and micro-batch: activation forward, gradient back
+        assert len(sends) == 2 * m * (stages - 1)
+    elif model == "skip" and stages > 2:  # the residual jumps from the first stage straight to the last one
+        last = tuple(stages - 1 + r * stages for r in range(dp))
+        assert any(n.tag("PP") == 0 and n.tag("PASS") == "F" and n.attr("dst") == last for n in sends)
+    tied = [n for n in dag if n.kind is Kind.SEND and n.attr("state")]
+    assert bool(tied) == (model == "gpt" and stages > 1)  # tied embedding/head gradient travels once
     grad_ars = [n for n in dag if n.kind is Kind.ALL_REDUCE and n.attr("purpose") == "grad"]
     assert (len(grad_ars) > 0) == (dp > 1)
     assert all(len(n.devices) == dp for n in grad_ars)
+    if dp > 1:
+        # gradients are reduced once per step: every parameter in exactly one bucket of its group ...
+        reduced = Counter(f for n in grad_ars for f in n.attr("params"))
+        assert set(reduced) == all_params and set(reduced.values()) == {1}
+        if bucket_mb == TINY_BUCKET_MB and model == "mlp":
+            assert len(grad_ars) > stages  # several buckets per stage: backward was cut into chunks
+        # ... and only after the last micro-batch's backward that writes the bucket
+        for prog in programs:
+            for k, ins in enumerate(prog.instrs):
+                if ins.node.kind is Kind.ALL_REDUCE and ins.node.attr("purpose") == "grad":
+                    bucket = set(ins.node.attr("params"))
+                    later = [j.name for j in prog.instrs[k + 1:] if j.node.kind is Kind.COMPUTE
+                             and bucket & {f for _, f in j.node.attr("grads", ()) or ()}]
+                    assert not later, (prog.rank, ins.name, later)
+
+
+# -- valid strategies verify ---------------------------------------------------------------------------
+@settings(max_examples=40, **SETTINGS)
+@given(plans)
+def test_random_pipeline_plans_verify(p: Case) -> None:
+    check_pipeline_plan("mlp", *p)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(st.integers(2, 4), st.integers(1, 10), st.sampled_from(sorted(SCHEDULES)), st.sampled_from([1, 2]), _buckets)
+def test_random_pipeline_plans_with_skip_connection_verify(stages: int, m: int, kind: str, dp: int,
+                                                            bucket_mb: float) -> None:
+    check_pipeline_plan("skip", stages, m, kind, dp, bucket_mb)
+
+
+@pytest.mark.slow
+@settings(max_examples=10, **SETTINGS)
+@given(st.sampled_from([1, 2, 3]), st.integers(1, 4), st.sampled_from(sorted(SCHEDULES)), st.sampled_from([1, 2]))
+def test_random_pipeline_plans_with_tied_weights_verify(stages: int, m: int, kind: str, dp: int) -> None:
+    check_pipeline_plan("gpt", stages, m, kind, dp, 25.0)
 
 
 @settings(max_examples=20, **SETTINGS)
 @given(plans)
-def test_forward_only_plans_verify(p: tuple[int, int, str, int]) -> None:
-    stages, m, kind, dp = p
+def test_forward_only_plans_verify(p: Case) -> None:
+    stages, m, kind, dp, bucket_mb = p
     with time_limit(20):
-        dag, programs = plan(stages, stages * dp, strategy(stages, m, kind, dp), forward_only=True)
+        dag, programs = plan(stages, stages * dp, strategy(stages, m, kind, dp, bucket_mb), forward_only=True)
         verify_programs(programs)
     assert not any(n.tag("PASS") == "B" or n.kind is Kind.UPDATE for n in dag)
     for prog in programs:
@@ -153,9 +219,9 @@ def test_forward_only_plans_verify(p: tuple[int, int, str, int]) -> None:
 # -- determinism and text round trip ------------------------------------------------------------------------
 @settings(max_examples=15, **SETTINGS)
 @given(plans)
-def test_plans_are_deterministic(p: tuple[int, int, str, int]) -> None:
-    stages, m, kind, dp = p
-    directives = strategy(stages, m, kind, dp)
+def test_plans_are_deterministic(p: Case) -> None:
+    stages, m, kind, dp, bucket_mb = p
+    directives = strategy(stages, m, kind, dp, bucket_mb)
     dag1, progs1 = plan(stages, stages * dp, directives)
     dag2, progs2 = plan(stages, stages * dp, directives)
     assert dag1.to_text() == dag2.to_text()
@@ -166,9 +232,9 @@ def test_plans_are_deterministic(p: tuple[int, int, str, int]) -> None:
 
 @settings(max_examples=15, **SETTINGS)
 @given(plans)
-def test_plan_dag_text_round_trips(p: tuple[int, int, str, int]) -> None:
-    stages, m, kind, dp = p
-    dag, programs = plan(stages, stages * dp, strategy(stages, m, kind, dp))
+def test_plan_dag_text_round_trips(p: Case) -> None:
+    stages, m, kind, dp, bucket_mb = p
+    dag, programs = plan(stages, stages * dp, strategy(stages, m, kind, dp, bucket_mb))
     text = dag.to_text()
     back = parse_dag(text)
     assert list(back.nodes) == list(dag.nodes)
@@ -219,6 +285,20 @@ def test_random_orders_error_or_verify_never_crash(case: tuple[int, int, list[li
         assert _compute_steps(prog) == seqs[prog.rank]
 
 
+def test_stages_may_run_microbatches_in_different_orders() -> None:
+    """Stage 0 runs micro-batch 1 first, stage 1 micro-batch 0 first: the receiver posts its RECVs in the
+    order the peer sends them, so the plan verifies (and no message can be paired with the wrong RECV)."""
+    s0 = piper.order(*[{"PP": 0, "MB": k, "PASS": p} for p, k in [("F", 1), ("F", 0), ("B", 0), ("B", 1)]])
+    s1 = piper.order(*[{"PP": 1, "MB": k, "PASS": p} for p, k in [("F", 0), ("B", 0), ("F", 1), ("B", 1)]])
+    dag, programs = plan(2, 2, [*piper.pipeline(2), piper.split(2), s0, s1])
+    verify_programs(programs)
+    sent = [i.node.attr("msg") for i in programs[0].instrs if i.node.kind is Kind.SEND]
+    received = [i.node.attr("msg") for i in programs[1].instrs if i.node.kind is Kind.RECV]
+    assert [m for m in sent if m in received] == received
+    assert _compute_steps(programs[0]) == [("F", 1), ("F", 0), ("B", 0), ("B", 1)]
+    assert _compute_steps(programs[1]) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
 @settings(max_examples=30, **SETTINGS)
 @given(st.integers(1, 4), st.integers(1, 6), st.data())
 def test_order_with_b_before_its_f_is_a_directive_error(stages: int, m: int, data: st.DataObject) -> None:
@@ -248,7 +328,8 @@ _directive = st.one_of(
     st.builds(piper.split, st.integers(1, 5), st.none() | _filters),
     st.builds(piper.replicate, st.none() | _filters, st.none() | _ranks),
     st.lists(_filters, min_size=1, max_size=4).map(lambda fs: piper.order(*fs)),
-    st.builds(lambda s, m, k: SCHEDULES[k](s, m), st.integers(1, 3), st.integers(1, 4), st.sampled_from(["gpipe", "1f1b"])),
+    st.builds(lambda s, m, k: SCHEDULES[k](s, m), st.integers(1, 3), st.integers(1, 4),
+              st.sampled_from(sorted(SCHEDULES))),
 )
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import piper_compile as piper
-from piper_compile import PiperCaptureError, PiperDirectiveError, PiperError, PiperPlanError
+from piper_compile import PiperCaptureError, PiperDirectiveError, PiperError
 from piper_compile.testing.models import build_model
 
 BATCH = 8
@@ -299,6 +299,24 @@ def test_bad_options(options: dict, needle: str) -> None:
     assert needle in msg
 
 
+@pytest.mark.xfail(reason="backend.py Options.parse converts options['timeout'] with a bare float(...), so a "
+                          "non-numeric timeout raises a raw ValueError ('could not convert string to float') instead "
+                          "of a piper error naming the option", strict=True, raises=ValueError)
+def test_timeout_option_not_a_number() -> None:
+    m = _mlp()
+    msg = _first_call_error(_compile(m, [], timeout="soon"), _batch(m), PiperError)
+    assert "timeout" in msg
+
+
+def test_error_is_raised_again_on_the_next_call() -> None:
+    """A failed first call leaves nothing half-built behind: the next call reports the same problem."""
+    m = _mlp(2)
+    step = _compile(m, [piper.place({"XX": 0}, [0])])
+    first = _first_call_error(step, _batch(m), PiperDirectiveError)
+    second = _first_call_error(step, _batch(m), PiperDirectiveError)
+    assert first == second
+
+
 def test_optimizer_helper_without_optimizer_option() -> None:
     m = _mlp()
     step = _compile(m, [])
@@ -426,14 +444,3 @@ def test_second_world_in_the_same_process() -> None:
     finally:
         groups._GROUPS.clear()
 
-
-def test_plan_error_from_mismatched_stage_orders(fake_world: Callable[[int], None]) -> None:
-    """Stages that run micro-batches in different orders would pair the wrong SEND/RECV: rejected by the
-    verifier before anything runs."""
-    fake_world(2)
-    m = _mlp(2)
-    s0 = piper.order(*[{"PP": 0, "MB": k, "PASS": p} for p, k in [("F", 1), ("F", 0), ("B", 0), ("B", 1)]])
-    s1 = piper.order(*[{"PP": 1, "MB": k, "PASS": p} for p, k in [("F", 0), ("B", 0), ("F", 1), ("B", 1)]])
-    step = _compile(m, [*piper.pipeline(2), piper.split(2), s0, s1])
-    msg = _first_call_error(step, _batch(m), PiperPlanError)
-    assert "deadlock" in msg and "rank |" in msg and ">" in msg and "<" in msg

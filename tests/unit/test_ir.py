@@ -85,7 +85,7 @@ def test_round_trip_keeps_tag_value_types_and_nested_tuple_attrs() -> None:
 def test_node_text_round_trip_of_a_bare_node() -> None:
     n = Node("x", Kind.COMPUTE)
     line = n.to_text()
-    assert line.startswith("COMPUTE x dev=- stream=compute tags=- in=- out=-")
+    assert line.startswith("COMPUTE x ") and "\n" not in line
     assert parse_node(line) == n
 
 
@@ -101,31 +101,25 @@ def test_parse_dag_ignores_blank_lines_and_reads_order_lines() -> None:
 
 
 def test_format_tags() -> None:
-    assert format_tags({}) == "-"
-    assert format_tags(make_tags({"PP": 1, "MB": 3, "PASS": "F"})) == "MB:3,PASS:F,PP:1"
+    text = format_tags(make_tags({"PP": 1, "MB": 3, "PASS": "F"}))
+    assert text.index("MB") < text.index("PASS") < text.index("PP")  # canonical (sorted) order
+    assert "3" in text and "F" in text
+    assert format_tags({}) != format_tags({"PP": 0})
     assert make_tags({"b": 1, "a": "x"}) == (("a", "x"), ("b", 1))
 
 
-@pytest.mark.parametrize("value", ["k:v", "-", "x-1"])
-def test_round_trip_of_str_tags_with_separator_characters(value: str) -> None:
-    n = Node("x", Kind.COMPUTE, make_tags({"EP": value}))
-    assert parse_node(n.to_text()) == n
-
-
-@pytest.mark.xfail(reason="ir/dag.py text form: a str tag value made of digits ('3', '-1') parses back as an int, "
-                          "and one holding a space or a comma makes parse_node fail to split the line; tag values "
-                          "come from user annotations (piper.annotate(m, EP='...')), so to_text -> parse_dag does "
-                          "not round-trip them", strict=True, raises=(AssertionError, ValueError))
-@pytest.mark.parametrize("value", ["3", "-1", "a b", "a,b"])
+@pytest.mark.parametrize("value", ["k:v", "-", "x-1", "3", "-1", "a b", "a,b", " attrs=", "{}", "é"])
 def test_round_trip_of_str_tags_that_look_like_ints_or_hold_separators(value: str) -> None:
-    n = Node("x", Kind.COMPUTE, make_tags({"EP": value}))
-    assert parse_node(n.to_text()) == n
+    """Tag values come from user annotations (``piper.annotate(m, EP=...)``): any string must survive."""
+    n = Node("x", Kind.COMPUTE, make_tags({"EP": value, "PP": 1}))
+    back = parse_node(n.to_text())
+    assert back == n and back.tag("EP") == value and back.tag("PP") == 1
 
 
 # -- hypothesis: random nodes over the characters the text form allows --------------------------
 _ident = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=6)
 _value_name = st.text(alphabet="abcdefxyz_.@>:0123456789", min_size=1, max_size=10).filter(lambda s: s != "-")
-_tag_value = st.integers(-5, 50) | _ident
+_tag_value = st.integers(-5, 50) | st.text(max_size=6)
 _attr_leaf = st.integers(-10, 10) | st.text(max_size=5) | st.booleans() | st.none()
 _attr_value = st.recursive(_attr_leaf, lambda c: st.lists(c, max_size=3).map(tuple), max_leaves=6)
 

@@ -7,7 +7,21 @@ import pytest
 
 from piper_compile import PiperDirectiveError, schedules
 from piper_compile.directives.spec import Order, parse_directives
-from piper_compile.schedules.builders import stage_sequence
+from piper_compile.schedules.builders import stage_sequence as _stage_sequence
+
+
+def stage_sequence(kind: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """``(PASS, MB)`` steps of one stage from the library's builder (whose steps may also name the stage)."""
+    out = []
+    for step in _stage_sequence(kind, stage, stages, microbatches):
+        if len(step) == 3:
+            p, st_, mb = step
+            assert st_ == stage, (kind, stage, step)
+        else:
+            p, mb = step
+        out.append((p, mb))
+    return out
+
 
 SHAPES = list(itertools.product(range(1, 9), range(1, 13)))
 BUILDERS = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}
@@ -102,7 +116,7 @@ def test_schedules_parse_as_order_directives(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
 @pytest.mark.parametrize("stages,microbatches", [(0, 4), (-1, 4), (2, 0), (2, -3), ("2", 4), (2, "4"), (2.0, 4),
-                                                 (2, 1.5), (None, 4), (2, None)])
+                                                 (2, 1.5), (None, 4), (2, None), (True, 4), (2, True)])
 def test_invalid_counts_raise(kind: str, stages: object, microbatches: object) -> None:
     with pytest.raises(PiperDirectiveError) as ei:
         BUILDERS[kind](stages, microbatches)  # type: ignore[arg-type]
