@@ -54,7 +54,13 @@ class Options:
         if opt is not None and not callable(opt):
             raise PiperError("piper: options['optimizer'] must be a callable params -> torch.optim.Optimizer, e.g. "
                              f"functools.partial(torch.optim.AdamW, lr=3e-4); got {type(opt).__name__}")
-        timeout = float(options.get("timeout", os.environ.get("PIPER_TIMEOUT", 300)))
+        raw_timeout = options.get("timeout", os.environ.get("PIPER_TIMEOUT", 300))
+        try:
+            timeout = float(raw_timeout)
+        except (TypeError, ValueError):
+            raise PiperError(f"piper: options['timeout'] must be a number of seconds, got {raw_timeout!r}") from None
+        if timeout <= 0:
+            raise PiperError(f"piper: options['timeout'] must be > 0 seconds, got {timeout}")
         directives = parse_directives(options.get("directives"))
         for d in directives:
             if isinstance(d, Replicate) and d.zero > 0 and opt is None:
@@ -145,7 +151,7 @@ class CompiledStep:
         j = self.joint
         assert j is not None
         batched = {s.value for s in j.inputs if s.batched}
-        static_op = find_batch_constant(j.dynamo_gm, j.batch_size) if j.batch_symbol is None else None
+        static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbol)
         return PassContext(self.world, self.segments, batched, None if j.batch_symbol is None else str(j.batch_symbol),
                            j.batch_size, {f: p.numel() * p.element_size() for f, p in j.params.items()},
                            forward_only, static_op)

@@ -35,10 +35,12 @@ def explain(args: argparse.Namespace) -> int:
     import piper_compile as piper
     from piper_compile.testing.models import build_model
 
-    model = build_model(args.model)
+    depth = max(4, args.stages)
+    with torch.device("meta"):  # no parameter memory: plans for any model size fit on this machine
+        model = build_model(args.model, **({"layers": depth} if args.model == "gpt" else {"depth": depth}))
     if args.stages > 1:
         model.annotate_stages(args.stages)
-    batch = model.make_batch(args.batch, torch.Generator().manual_seed(0))
+    batch = tuple(t.to("meta") for t in model.make_batch(args.batch, torch.Generator().manual_seed(0)))
     world = args.world_size or args.stages * args.dp
     t0 = time.perf_counter()
     result = piper.plan(model, *batch, directives=_directives(args), world_size=world)

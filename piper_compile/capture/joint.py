@@ -137,25 +137,64 @@ def _batch_symbol(specs: list[InputSpec], gm: fx.GraphModule) -> tuple[Any, int]
             if val.dim() == 0:
                 continue
             d0 = val.shape[0]
-            if isinstance(d0, torch.SymInt):
+            if isinstance(d0, torch.SymInt) and d0.node.expr.free_symbols:
                 return d0.node.expr, int(d0.node.hint) if d0.node.hint is not None else -1
-            return None, int(d0)
+            return None, int(d0)  # static, or a SymInt Dynamo specialised to a constant
     return None, 0
 
 
-def find_batch_constant(gm: fx.GraphModule, batch: int) -> str | None:
-    """Name the first op of Dynamo's graph that hard-codes the batch size (for the static-batch error)."""
+def _describe_op(node: fx.Node, batch: int | None) -> str:
+    target = getattr(node.target, "__name__", str(node.target))
+    lines = (node.meta.get("stack_trace") or "").rstrip().splitlines()
+    files = [i for i, line in enumerate(lines) if line.strip().startswith("File ")]
+    where = ""
+    if files:
+        i = files[-1]
+        code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        where = f" ({lines[i].strip()}: {code})"
+    return (f"{target}(... {batch} ...)" if batch is not None else f"{target}(...)") + where
+
+
+def _int_args(node: fx.Node) -> list[int]:
+    ints: list[int] = []
+    fx.node.map_aggregate((node.args, node.kwargs), lambda x: ints.append(x) if type(x) is int else None)
+    return ints
+
+
+def _batched(val: Any, symbol: Any) -> bool:
+    return (isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
+            and symbol in val.shape[0].node.expr.free_symbols)
+
+
+def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbol: Any = None) -> str | None:
+    """Name the first op of Dynamo's graph that hard-codes the batch size: with a static batch, the
+    first op holding the literal; with a symbolic one, an op that turns a batched input into an output
+    whose leading dimension is that literal (``x.view(8, -1)``), which would run wrong on micro-batches."""
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        ints: list[int] = []
-        fx.node.map_aggregate((node.args, node.kwargs), lambda x: ints.append(x) if type(x) is int else None)
-        if batch in ints:
-            target = getattr(node.target, "__name__", str(node.target))
-            trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-            where = f" at {trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else ""
-            return f"{target}(... {batch} ...){where}"
+        literal = batch in _int_args(node)
+        if batch_symbol is None:
+            if literal:
+                return _describe_op(node, batch)
+            continue
+        out = node.meta.get("example_value")
+        if not (isinstance(out, torch.Tensor) and out.dim() > 0):
+            continue
+        if not any(_batched(a.meta.get("example_value"), batch_symbol) for a in node.all_input_nodes):
+            continue
+        lead = out.shape[0]
+        lead_batched = isinstance(lead, torch.SymInt) and batch_symbol in lead.node.expr.free_symbols
+        if literal and not lead_batched and int(lead) == batch:
+            return _describe_op(node, batch)
+        if _is_reshape(node) and not lead_batched:  # e.g. x.view(8, -1): samples mixed across rows
+            return _describe_op(node, None)
     return None
+
+
+def _is_reshape(node: fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in ("view", "reshape", "_unsafe_view", "view_as", "reshape_as", "unflatten")
 
 
 def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[str] | None = None) -> JointGraph:

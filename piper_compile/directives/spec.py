@@ -216,6 +216,9 @@ def parse_directive(i: int, raw: Any) -> Directive:
         raise PiperDirectiveError(i, raw, f"a directive must be a JSON object, got {type(raw).__name__}",
                                   'write {"op": "place", ...}')
     op = raw.get("op")
+    if not isinstance(op, str):
+        raise PiperDirectiveError(i, raw, f"'op' must be a string, got {op!r} ({type(op).__name__})",
+                                  f"use one of {sorted(_KNOWN)}")
     if op in _FUTURE:
         raise PiperDirectiveError(i, raw, f"op {op!r} is not built yet", f"use one of {sorted(_KNOWN)}")
     if op not in _PARSERS:

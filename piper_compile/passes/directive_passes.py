@@ -79,11 +79,17 @@ def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
         raise d.error(f"split covers only part of the model (not {missing})",
                       "split the whole model: use an empty filter {}")
     m = d.num_microbatches
-    if m > 1 and ctx.batch_symbol is None:
-        where = f" The graph fixes it at {ctx.static_batch_op}." if ctx.static_batch_op else ""
+    if m > 1 and (ctx.batch_symbol is None or ctx.static_batch_op):
+        mb = ctx.batch_size // m if m else "?"
+        if ctx.batch_symbol is None:
+            where = f" The graph fixes it at {ctx.static_batch_op}." if ctx.static_batch_op else ""
+            problem = f"the captured graph has a static batch size {ctx.batch_size}, so it cannot run on " \
+                      f"micro-batches of {mb}.{where}"
+        else:
+            problem = f"the captured graph reshapes across the batch dimension at {ctx.static_batch_op}, so " \
+                      f"micro-batches of {mb} would not compute what the batch of {ctx.batch_size} does"
         raise d.error(
-            f"the captured graph has a static batch size {ctx.batch_size}, so it cannot run on micro-batches of "
-            f"{ctx.batch_size // m if m else '?'}.{where}",
+            problem,
             "compile with dynamic=True (or torch._dynamo.mark_dynamic(x, 0)) and write the model with "
             "x.shape[0] / -1 instead of a literal batch size")
     if ctx.batch_size and ctx.batch_size % m:

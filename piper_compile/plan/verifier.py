@@ -46,7 +46,7 @@ def format_grid(programs: list[Program], pcs: list[int], stuck: dict[int, str]) 
     """Rank x step grid around the stuck positions; ``>X<`` marks each rank's stuck instruction."""
     lo = max(0, min(pcs) - 3)
     hi = min(max(len(p.instrs) for p in programs), max(pcs) + 4)
-    col = max(12, max((len(i.short()) for p in programs for i in p.instrs[lo:hi]), default=12) + 2)
+    col = max(12, max((len(i.short()) for p in programs for i in p.instrs[lo:hi]), default=12) + 4)
     head = "rank | " + "".join(f"{s:<{col}}" for s in range(lo, hi))
     lines = [head, "-" * len(head)]
     for p, pc in zip(programs, pcs):

@@ -30,6 +30,7 @@ def group_keys(dag: TrainingDAG, world_size: int) -> list[tuple[str, tuple[int, 
 
 
 _GROUPS: dict[tuple[str, tuple[int, ...], str], Any] = {}
+_OWNER: list[Any] = [None]  # the default process group the cached groups belong to
 
 
 class GroupRegistry:
@@ -40,6 +41,9 @@ class GroupRegistry:
         self.timeout = timedelta(seconds=timeout_s)
 
     def ensure(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
+        if _OWNER[0] is not dist.group.WORLD:  # a new world (re-initialised in this process)
+            _GROUPS.clear()
+            _OWNER[0] = dist.group.WORLD
         backend = dist.get_backend()
         for stream, ranks in keys:
             key = (stream, ranks, backend)

@@ -198,10 +198,6 @@ def test_static_batch_graph_without_microbatches_runs() -> None:
     torch.testing.assert_close(step(x, y), F.mse_loss(m.lin(x).view(8, -1), y.view(8, -1)))
 
 
-@pytest.mark.xfail(reason="a dynamic=True graph that still hard-codes the batch size (x.view(8, -1)) is not detected: "
-                          "passes/directive_passes.py apply_split only checks for a static batch when the batch "
-                          "symbol is missing, so the step fails later inside a segment with a raw RuntimeError "
-                          "(shape mismatch) instead of a piper error naming the op", strict=True, raises=RuntimeError)
 def test_dynamic_graph_that_hard_codes_the_batch_size() -> None:
     m = HardCodedBatch()
     step = _compile(m, [piper.split(2)], dynamic=True)
@@ -299,9 +295,6 @@ def test_bad_options(options: dict, needle: str) -> None:
     assert needle in msg
 
 
-@pytest.mark.xfail(reason="backend.py Options.parse converts options['timeout'] with a bare float(...), so a "
-                          "non-numeric timeout raises a raw ValueError ('could not convert string to float') instead "
-                          "of a piper error naming the option", strict=True, raises=ValueError)
 def test_timeout_option_not_a_number() -> None:
     m = _mlp()
     msg = _first_call_error(_compile(m, [], timeout="soon"), _batch(m), PiperError)
@@ -424,10 +417,6 @@ def test_valid_plan_runs_on_fake_world(fake_world: Callable[[int], None]) -> Non
         groups._GROUPS.clear()  # process groups of this fake world die with it
 
 
-@pytest.mark.xfail(reason="runtime/groups.py caches process groups in the module-level _GROUPS keyed by "
-                          "(stream, ranks, backend) and never drops them when the default group is destroyed, so "
-                          "a second world in the same process reuses dead groups: ValueError 'Group ... is not "
-                          "registered' from torch.distributed instead of working", strict=True, raises=ValueError)
 def test_second_world_in_the_same_process() -> None:
     from piper_compile.runtime import groups
 

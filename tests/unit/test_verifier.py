@@ -233,9 +233,6 @@ def test_overlapping_groups_on_one_stream_are_not_misordered() -> None:
     verify_programs(progs)
 
 
-@pytest.mark.xfail(reason="plan/verifier.py format_grid sizes columns as the longest label + 2, but the stuck "
-                          "cell adds '>' and '<', so a marked label of maximal length runs into the next cell "
-                          "('>SEND.m0->r1<SEND.m1->r1')", strict=True, raises=AssertionError)
 def test_deadlock_grid_cells_stay_apart() -> None:
     r0 = [send("m0", 0, 1), send("m1", 0, 1)]
     r1 = [recv("m1", 1, 0), compute("F1", 1, "F", "1", waits=("RECV.m1",)), recv("m0", 1, 0)]
