@@ -36,11 +36,12 @@ def explain(args: argparse.Namespace) -> int:
     from piper_compile.testing.models import build_model
 
     depth = max(4, args.stages)
-    with torch.device("meta"):  # no parameter memory: plans for any model size fit on this machine
-        model = build_model(args.model, **({"layers": depth} if args.model == "gpt" else {"depth": depth}))
+    # CPU parameters: the built-in models are small. (On the meta device the joint trace loses the
+    # loss's backward: aten::nll_loss has no meta autograd kernel.)
+    model = build_model(args.model, **({"layers": depth} if args.model == "gpt" else {"depth": depth}))
     if args.stages > 1:
         model.annotate_stages(args.stages)
-    batch = tuple(t.to("meta") for t in model.make_batch(args.batch, torch.Generator().manual_seed(0)))
+    batch = model.make_batch(args.batch, torch.Generator().manual_seed(0))
     world = args.world_size or args.stages * args.dp
     t0 = time.perf_counter()
     result = piper.plan(model, *batch, directives=_directives(args), world_size=world)
