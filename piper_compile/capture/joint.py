@@ -256,6 +256,15 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
             symbols[s.symbol] = s.value
             s.batched = batch_symbol is not None and s.symbol == batch_symbol
     for s, node in zip(specs, gm.graph.find_nodes(op="placeholder")):
+        if s.kind == INPUT and batch_symbol is not None:
+            val = node.meta["example_value"]
+            for d, size in enumerate(val.shape[1:], start=1):
+                if isinstance(size, torch.SymInt) and batch_symbol in size.node.expr.free_symbols:
+                    raise PiperCaptureError(
+                        f"piper: dimension {d} of input {s.name!r} has the same symbolic size as the batch "
+                        f"({batch_symbol}), so slicing micro-batches would change it too. Dynamo unified them "
+                        "(duck shaping, or a guard in the model); mark only the batch dimension dynamic "
+                        "(torch._dynamo.mark_dynamic(x, 0) with dynamic=None) or use a different batch size")
         if s.kind == INPUT:
             val = node.meta["example_value"]
             s.batched = (batch_symbol is not None and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
