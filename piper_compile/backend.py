@@ -151,8 +151,8 @@ class CompiledStep:
         j = self.joint
         assert j is not None
         batched = {s.value for s in j.inputs if s.batched}
-        static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbol)
-        return PassContext(self.world, self.segments, batched, None if j.batch_symbol is None else str(j.batch_symbol),
+        static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbols)
+        return PassContext(self.world, self.segments, batched, {str(x) for x in j.batch_symbols},
                            j.batch_size, {f: p.numel() * p.element_size() for f, p in j.params.items()},
                            forward_only, static_op)
 

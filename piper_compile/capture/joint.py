@@ -43,7 +43,7 @@ class JointGraph:
     grad_of: dict[str, str]  # joint node name -> param fqn whose gradient it is
     params: dict[str, nn.Parameter]
     buffers: dict[str, torch.Tensor]
-    batch_symbol: Any  # sympy symbol of the batch dimension (None when it is static)
+    batch_symbols: frozenset[Any]  # sympy symbols of the batch dimension (empty when it is static)
     batch_size: int  # the concrete batch size seen at capture
     dynamo_gm: fx.GraphModule
     symbols: dict[Any, str] = field(default_factory=dict)  # sympy symbol -> sym value name
@@ -129,18 +129,22 @@ def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any],
     return specs, params, buffers
 
 
-def _batch_symbol(specs: list[InputSpec], gm: fx.GraphModule) -> tuple[Any, int]:
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    for s in specs:
-        if s.kind == INPUT:
-            val = placeholders[s.arg_index].meta["example_value"]
-            if val.dim() == 0:
-                continue
-            d0 = val.shape[0]
-            if isinstance(d0, torch.SymInt) and d0.node.expr.free_symbols:
-                return d0.node.expr, int(d0.node.hint) if d0.node.hint is not None else -1
-            return None, int(d0)  # static, or a SymInt Dynamo specialised to a constant
-    return None, 0
+def _batch_symbols(specs: list[InputSpec], gm: fx.GraphModule) -> tuple[frozenset[Any], int]:
+    """The batch size (leading size of the first tensor input) and the symbols of every tensor input
+    whose leading size is a plain symbol of that size: with duck shaping off, ``tokens`` and ``labels``
+    get different symbols for the same batch. Empty when the batch is static."""
+    vals = [gm.graph.find_nodes(op="placeholder")[s.arg_index].meta["example_value"] for s in specs
+            if s.kind == INPUT]
+    vals = [v for v in vals if v.dim() > 0]
+    if not vals:
+        return frozenset(), 0
+    d0 = vals[0].shape[0]
+    if not (isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol):
+        return frozenset(), int(d0)  # static, or a SymInt Dynamo specialised to a constant
+    batch = int(d0.node.hint)
+    symbols = {v.shape[0].node.expr for v in vals if isinstance(v.shape[0], torch.SymInt)
+               and v.shape[0].node.expr.is_Symbol and v.shape[0].node.hint == batch}
+    return frozenset(symbols), batch
 
 
 def _describe_op(node: fx.Node, batch: int | None) -> str:
@@ -161,12 +165,15 @@ def _int_args(node: fx.Node) -> list[int]:
     return ints
 
 
-def _batched(val: Any, symbol: Any) -> bool:
-    return (isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
-            and symbol in val.shape[0].node.expr.free_symbols)
+def _has_batch(size: Any, symbols: frozenset[Any]) -> bool:
+    return isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols & symbols)
 
 
-def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbol: Any = None) -> str | None:
+def _batched(val: Any, symbols: frozenset[Any]) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and _has_batch(val.shape[0], symbols)
+
+
+def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbols: frozenset[Any] = frozenset()) -> str | None:
     """Name the first op of Dynamo's graph that hard-codes the batch size: with a static batch, the
     first op holding the literal; with a symbolic one, an op that turns a batched input into an output
     whose leading dimension is that literal (``x.view(8, -1)``), which would run wrong on micro-batches."""
@@ -174,17 +181,17 @@ def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbol: Any = None
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         literal = batch in _int_args(node)
-        if batch_symbol is None:
+        if not batch_symbols:
             if literal:
                 return _describe_op(node, batch)
             continue
         out = node.meta.get("example_value")
         if not (isinstance(out, torch.Tensor) and out.dim() > 0):
             continue
-        if not any(_batched(a.meta.get("example_value"), batch_symbol) for a in node.all_input_nodes):
+        if not any(_batched(a.meta.get("example_value"), batch_symbols) for a in node.all_input_nodes):
             continue
         lead = out.shape[0]
-        lead_batched = isinstance(lead, torch.SymInt) and batch_symbol in lead.node.expr.free_symbols
+        lead_batched = _has_batch(lead, batch_symbols)
         if literal and not lead_batched and int(lead) == batch:
             return _describe_op(node, batch)
         if _is_reshape(node) and not lead_batched:  # e.g. x.view(8, -1): samples mixed across rows
@@ -249,27 +256,26 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
                 "statistic outside the compiled step."
             )
     assert loss is not None
-    batch_symbol, batch_size = _batch_symbol(specs, gm)
+    batch_symbols, batch_size = _batch_symbols(specs, gm)
     symbols: dict[Any, str] = {}
     for s in final_specs:
         if s.kind == SYM and s.symbol is not None:
             symbols[s.symbol] = s.value
-            s.batched = batch_symbol is not None and s.symbol == batch_symbol
+            s.batched = s.symbol in batch_symbols
     for s, node in zip(specs, gm.graph.find_nodes(op="placeholder")):
-        if s.kind == INPUT and batch_symbol is not None:
-            val = node.meta["example_value"]
-            for d, size in enumerate(val.shape[1:], start=1):
-                if isinstance(size, torch.SymInt) and batch_symbol in size.node.expr.free_symbols:
-                    raise PiperCaptureError(
-                        f"piper: dimension {d} of input {s.name!r} has the same symbolic size as the batch "
-                        f"({batch_symbol}), so slicing micro-batches would change it too. Dynamo unified them "
-                        "(duck shaping, or a guard in the model); mark only the batch dimension dynamic "
-                        "(torch._dynamo.mark_dynamic(x, 0) with dynamic=None) or use a different batch size")
-        if s.kind == INPUT:
-            val = node.meta["example_value"]
-            s.batched = (batch_symbol is not None and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
-                         and val.shape[0].node.expr == batch_symbol)
-    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbol, batch_size,
+        if s.kind != INPUT:
+            continue
+        val = node.meta["example_value"]
+        for d, size in enumerate(val.shape[1:], start=1):
+            if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & batch_symbols:
+                raise PiperCaptureError(
+                    f"piper: dimension {d} of input {s.name!r} has the same symbolic size as the batch "
+                    f"({size}), so slicing micro-batches would change it too. Dynamo unified them (a guard "
+                    "in the model); mark only the batch dimension dynamic (torch._dynamo.mark_dynamic(x, 0) "
+                    "with dynamic=None) or use a different batch size")
+        s.batched = (val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
+                     and val.shape[0].node.expr in batch_symbols)
+    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size,
                       gm, symbols)
 
 

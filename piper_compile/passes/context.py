@@ -14,7 +14,7 @@ class PassContext:
     world_size: int
     segments: dict[str, Segment]
     batched_values: set[str]  # external values that are sliced per micro-batch
-    batch_symbol: str | None  # name of the batch-size symbol ("s77"), None if static
+    batch_symbols: set[str]  # names of the batch-size symbols ("s77"); empty if the batch is static
     batch_size: int  # batch size seen at capture
     param_bytes: dict[str, int]  # fqn -> bytes
     forward_only: bool = False
@@ -24,9 +24,9 @@ class PassContext:
     def is_batched(self, value: str) -> bool:
         if value in self.batched_values:
             return True
-        if value.startswith("symexpr:") and self.batch_symbol is not None:
+        if value.startswith("symexpr:") and self.batch_symbols:
             expr = sympy.sympify(value[len("symexpr:"):].replace(";", ","))
-            return sympy.Symbol(self.batch_symbol) in expr.free_symbols
+            return any(sympy.Symbol(b) in expr.free_symbols for b in self.batch_symbols)
         return False
 
     @property

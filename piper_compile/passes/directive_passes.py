@@ -79,9 +79,9 @@ def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
         raise d.error(f"split covers only part of the model (not {missing})",
                       "split the whole model: use an empty filter {}")
     m = d.num_microbatches
-    if m > 1 and (ctx.batch_symbol is None or ctx.static_batch_op):
+    if m > 1 and (not ctx.batch_symbols or ctx.static_batch_op):
         mb = ctx.batch_size // m if m else "?"
-        if ctx.batch_symbol is None:
+        if not ctx.batch_symbols:
             where = f" The graph fixes it at {ctx.static_batch_op}." if ctx.static_batch_op else ""
             problem = f"the captured graph has a static batch size {ctx.batch_size}, so it cannot run on " \
                       f"micro-batches of {mb}.{where}"

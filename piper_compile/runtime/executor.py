@@ -20,6 +20,7 @@ from piper_compile.ir.dag import Kind
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime.groups import GroupRegistry
 from piper_compile.runtime.state import GradBuffers, TrainState
+from piper_compile.runtime.trace import Recorder
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Executor:
         self.specs = {s.value: s for s in joint.inputs}
         self.grads = GradBuffers.for_program(program, joint) if not forward_only else None
         self.stats = StepStats()
+        self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
 
     # -- externals -------------------------------------------------------------------------------
     def _symbols(self, args: list[Any], mb_size: int) -> dict[str, int]:
@@ -119,6 +121,8 @@ class Executor:
     # -- one step --------------------------------------------------------------------------------
     def run(self, args: list[Any]) -> torch.Tensor:
         t0 = time.perf_counter()
+        rec = self.rec
+        rec.step_begin()
         batch = self._batch_size(args)
         mb_size = batch // self.m
         syms = self._symbols(args, mb_size)
@@ -138,7 +142,10 @@ class Executor:
 
         for pos, ins in enumerate(self.program.instrs):
             for w in ins.waits:
+                tw = rec.now()
                 self._wait(pending, w)
+                rec.complete(w, tw)
+            rec.begin()
             n = ins.node
             if n.kind is Kind.COMPUTE:
                 outs = self.segments[n.attr("segment")]([get(v) for v in n.inputs])
@@ -171,12 +178,16 @@ class Executor:
             for v in ins.frees:
                 env.pop(v, None)
             self._track_memory(env)
+            rec.end(pos, ins, pending.get(n.name))
         for name in list(pending):
+            tw = rec.now()
             self._wait(pending, name)
+            rec.complete(name, tw)
         loss = result.get("loss")
         if loss is None:  # single rank or loss computed here without a world reduce
             loss = loss_sum / self.m
         self.stats.seconds = time.perf_counter() - t0
+        rec.step_end()
         return loss
 
     def _all_reduce(self, ins: Instr, loss_sum: torch.Tensor, result: dict[str, torch.Tensor]) -> Any:

@@ -58,7 +58,8 @@ def concrete(dim: Any, symbols: dict[str, int]) -> int:
         if text.lstrip("-").isdigit():
             return int(text)
         expr = sympy.sympify(text.replace(";", ","), locals={k: sympy.Symbol(k) for k in symbols})
-    return int(expr.xreplace({sympy.Symbol(k): v for k, v in symbols.items()}))
+    # by name: the shape environment's symbols carry assumptions (integer, positive) that Symbol(k) lacks
+    return int(expr.xreplace({s: symbols[s.name] for s in expr.free_symbols if s.name in symbols}))
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:

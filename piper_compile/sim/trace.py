@@ -59,6 +59,10 @@ class Span:
         return self.issue_end if self.issue_end is not None else self.end
 
 
+_FIELDS = {f.name for f in dataclasses.fields(Span)}
+_ARG_FIELDS = [f.name for f in dataclasses.fields(Span) if f.name not in ("start", "end")]
+
+
 def span_of(ins: Instr, rank: int, pos: int, start: float, end: float, **extra: Any) -> Span:
     """A span for instruction ``ins`` of ``rank``'s program."""
     n = ins.node
@@ -99,7 +103,7 @@ def chrome_events(spans: Iterable[Span], counters: dict[int, list[tuple[float, i
         events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
     sends: dict[str, Span] = {}
     for s in spans:
-        args = {k: v for k, v in dataclasses.asdict(s).items() if v is not None and k not in ("start", "end")}
+        args = {k: v for k in _ARG_FIELDS if (v := getattr(s, k)) is not None}
         if s.issue_end is not None:
             args["issue_end"] = us(s.issue_end)
         events.append({"ph": "X", "cat": _CAT, "name": s.label, "pid": s.rank, "tid": tids[(s.rank, s.stream)],
@@ -123,8 +127,8 @@ def chrome_events(spans: Iterable[Span], counters: dict[int, list[tuple[float, i
 
 
 def write_trace(source: Any, path: str | os.PathLike[str], other: dict[str, Any] | None = None) -> str:
-    """Write ``source`` (a ``SimResult`` or a list of ``Span``) as Chrome/Perfetto JSON to ``path``
-    (written atomically); returns the path. Open it in https://ui.perfetto.dev or chrome://tracing."""
+    """Write ``source`` (a ``SimResult`` or a list of ``Span``) as Chrome/Perfetto JSON to ``path``;
+    returns the path. Open it in https://ui.perfetto.dev or chrome://tracing."""
     spans = list(getattr(source, "spans", source))
     counters = getattr(source, "memory_timeline", None)
     origin = min((s.start for s in spans), default=0.0) if not hasattr(source, "spans") else 0.0
@@ -132,13 +136,10 @@ def write_trace(source: Any, path: str | os.PathLike[str], other: dict[str, Any]
     obj["otherData"] = {"origin_s": origin, **(other or {})}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, separators=(",", ":")))
-    os.replace(tmp, path)
+    text = json.dumps(obj, separators=(",", ":"))  # dumps: the C encoder (dump streams in Python)
+    with open(path, "w") as f:
+        f.write(text)
     return str(path)
-
-
-_FIELDS = {f.name for f in dataclasses.fields(Span)}
 
 
 def spans_from_events(events: list[dict[str, Any]], origin: float = 0.0) -> list[Span]:

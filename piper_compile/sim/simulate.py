@@ -1,0 +1,253 @@
+"""Discrete-event simulation of every rank's program, with the verifier's execution model plus time.
+
+Model (``plan/verifier.py``): each rank's host thread issues its instructions in order, and before
+each one waits until the asynchronous instructions in its ``waits`` have completed. COMPUTE and
+UPDATE occupy the host (and compute stream) for their cost. Communication is queued FIFO: a
+collective on the queue of its stream and member group, a SEND/RECV on the queue of its process
+group (``Instr.group_name``) and peer. A SEND and its RECV start together once both are at the head
+of their queues (rendezvous) and the previous transfer of each queue has finished; a collective
+starts once it heads the queue of every member. Both then take their cost. The events are each
+instruction's issue and each queue's completion; every time is the latest of the events it depends
+on, so the result does not depend on the order in which ready events are handled.
+
+A rank's step ends when its host has issued everything and all its asynchronous work completed
+(the executor waits for it), plus the cost model's epilogue; the step time is the latest rank's end.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from piper_compile.errors import PiperPlanError
+from piper_compile.ir.dag import Kind, TrainingDAG
+from piper_compile.plan.program import Instr, Program
+from piper_compile.plan.verifier import verify_programs
+from piper_compile.sim.cost import CostModel
+from piper_compile.sim.shapes import Sizes
+from piper_compile.sim.trace import STEP_KIND, STEP_STREAM, Span, span_of
+
+QueueKey = tuple[int, str, int]
+
+
+@dataclass
+class SimResult:
+    """Predicted timing and memory of one training step.
+
+    - ``step_time``: the latest rank's end (all ranks start at 0).
+    - ``busy[r]``: time rank r spends in COMPUTE and UPDATE instructions.
+    - ``bubble``: ``(step_time * R - sum(busy)) / (step_time * R)`` over the R simulated ranks -- the
+      fraction of rank-time the compute stream is idle (waiting for data, communication or the
+      pipeline to fill and drain). GPipe and 1F1B with equal per-stage costs and free communication
+      give ``(p - 1) / (m + p - 1)``.
+    - ``peak_activation_bytes[r]``: the most bytes of values live at once on rank r: compute outputs
+      and RECV buffers, allocated when produced and dropped after the instruction that frees them
+      (sizes from the segments' output shapes, the batch symbol at the micro-batch size).
+    - ``param_bytes[r]`` / ``grad_bytes[r]``: parameters rank r reads and gradients it keeps, counted
+      separately; ``peak_bytes[r]`` is the sum of the three.
+    """
+
+    step_time: float
+    ranks: list[int]
+    busy: dict[int, float]
+    rank_end: dict[int, float]
+    spans: list[Span]
+    peak_activation_bytes: dict[int, int]
+    param_bytes: dict[int, int]
+    grad_bytes: dict[int, int]
+    memory_timeline: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+
+    @property
+    def bubble(self) -> float:
+        total = self.step_time * len(self.ranks)
+        return (total - sum(self.busy.values())) / total if total > 0 else 0.0
+
+    @property
+    def peak_bytes(self) -> dict[int, int]:
+        return {r: self.peak_activation_bytes[r] + self.param_bytes[r] + self.grad_bytes[r] for r in self.ranks}
+
+    def summary(self) -> str:
+        """One line per rank: busy time, idle fraction and peak memory."""
+        lines = [f"step {self.step_time:.6g}  bubble {self.bubble:.1%}"]
+        for r in self.ranks:
+            idle = 1 - self.busy[r] / self.step_time if self.step_time else 0.0
+            mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+            lines.append(f"  rank {r}: busy {self.busy[r]:.6g}  idle {idle:.1%}  peak activations "
+                         f"{mib(self.peak_activation_bytes[r])}  params {mib(self.param_bytes[r])}  grads "
+                         f"{mib(self.grad_bytes[r])}")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Issued:
+    ins: Instr
+    rank: int
+    pos: int
+    start: float  # host issue start
+    ready: float  # host issue end: the op can start from here
+    wait_s: float  # host time blocked on waits before issuing
+
+
+def _queue_key(rank: int, ins: Instr) -> QueueKey:
+    # The verifier's queues: a collective per (stream, members); P2P per (process group, peer).
+    if ins.peer is None:
+        return (rank, f"{ins.node.stream}@{','.join(map(str, sorted(ins.node.devices)))}", -1)
+    return (rank, ins.group_name(rank), ins.peer)
+
+
+class _Sim:
+    def __init__(self, programs: list[Program], cost: CostModel) -> None:
+        self.programs = programs
+        self.cost = cost
+        self.ranks = [p.rank for p in programs]
+        self.host = {p.rank: cost.prologue(p.rank) for p in programs}
+        self.pcs = {p.rank: 0 for p in programs}
+        self.done: dict[int, dict[str, float]] = {r: {} for r in self.ranks}
+        self.queues: dict[QueueKey, deque[_Issued]] = defaultdict(deque)
+        self.free_at: dict[QueueKey, float] = defaultdict(float)
+        self.spans: list[Span] = []
+        self.busy = {r: 0.0 for r in self.ranks}
+
+    def issue_ready(self) -> bool:
+        """Advance every host thread as far as its waits allow."""
+        moved = False
+        for p in self.programs:
+            r = p.rank
+            while self.pcs[r] < len(p.instrs):
+                ins = p.instrs[self.pcs[r]]
+                if not all(w in self.done[r] for w in ins.waits):
+                    break
+                free = self.host[r] + self.cost.gap(r)
+                t = max([free] + [self.done[r][w] for w in ins.waits])
+                if ins.is_async:
+                    end = t + self.cost.issue(ins, r)
+                    self.queues[_queue_key(r, ins)].append(_Issued(ins, r, self.pcs[r], t, end, t - free))
+                else:
+                    end = t + self.cost.duration(ins, r)
+                    self.spans.append(span_of(ins, r, self.pcs[r], t, end, wait_s=t - free))
+                    self.done[r][ins.name] = end
+                    self.busy[r] += end - t
+                self.host[r] = end
+                self.pcs[r] += 1
+                moved = True
+        return moved
+
+    def _finish(self, items: list[tuple[QueueKey, _Issued]], duration: float) -> None:
+        start = max(max(it.ready, self.free_at[k]) for k, it in items)
+        end = start + duration
+        for k, it in items:
+            self.queues[k].popleft()
+            self.free_at[k] = end
+            self.done[it.rank][it.ins.name] = end
+            self.spans.append(span_of(it.ins, it.rank, it.pos, it.start, end, issue_end=it.ready, wait_s=it.wait_s))
+
+    def complete_heads(self) -> bool:
+        """Start and finish every queue head whose partners are at the head of theirs."""
+        moved = False
+        for key in list(self.queues):
+            q = self.queues[key]
+            if not q:
+                continue
+            head = q[0]
+            rank, group, _ = key
+            if head.ins.peer is not None:
+                pkey = (head.ins.peer, group, rank)
+                pq = self.queues.get(pkey)
+                if not pq or pq[0].ins.node.attr("msg") != head.ins.node.attr("msg") or \
+                        pq[0].ins.node.kind is head.ins.node.kind:
+                    continue
+                d = max(self.cost.duration(head.ins, rank), self.cost.duration(pq[0].ins, head.ins.peer))
+                self._finish([(key, head), (pkey, pq[0])], d)
+            else:
+                keys = [(m, group, -1) for m in head.ins.node.devices]
+                heads = [self.queues.get(k) for k in keys]
+                if not all(h and h[0].ins.name == head.ins.name for h in heads):
+                    continue
+                items = [(k, h[0]) for k, h in zip(keys, heads) if h]
+                self._finish(items, max(self.cost.duration(it.ins, it.rank) for _, it in items))
+            moved = True
+        return moved
+
+    def finished(self) -> bool:
+        return all(self.pcs[p.rank] == len(p.instrs) for p in self.programs) and not any(self.queues.values())
+
+    def run(self) -> None:
+        while not self.finished():
+            moved = self.issue_ready()
+            moved |= self.complete_heads()
+            if not moved:
+                verify_programs(self.programs)  # raises with the rank x step grid
+                raise PiperPlanError("piper: internal: the simulation stalled on programs the verifier accepts")
+
+
+def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span]) -> tuple[int, list[tuple[float, int]]]:
+    """Peak live activation bytes of one rank (host order) and the (time, live bytes) series."""
+    live: dict[str, int] = {}
+    total = peak = 0
+    series: list[tuple[float, int]] = []
+    for pos, ins in enumerate(program.instrs):
+        n = ins.node
+        new: list[str] = []
+        if n.kind is Kind.COMPUTE:
+            new = list(n.outputs)
+        elif n.kind is Kind.RECV and not n.attr("state"):
+            new = list(n.outputs)
+        for v in new:
+            b = sizes.messages.get(n.attr("msg"), 0) if n.kind is Kind.RECV else sizes.value_bytes(v)
+            total += b - live.get(v, 0)
+            live[v] = b
+        peak = max(peak, total)
+        span = spans.get((program.rank, pos))
+        if span is not None:
+            series.append((span.start, total))
+        for v in ins.frees:
+            total -= live.pop(v, 0)
+        if span is not None:
+            series.append((span.host_end, total))
+    return peak, series
+
+
+def _state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
+    params: set[str] = set()
+    grads: set[str] = set()
+    for ins in program.instrs:
+        n = ins.node
+        if n.kind is Kind.COMPUTE:
+            params.update(v[len("param:"):] for v in n.inputs if v.startswith("param:"))
+            grads.update(f for _, f in n.attr("grads") or ())
+        elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
+            grads.add(n.attr("state"))
+        elif n.kind is Kind.UPDATE:
+            grads.update(n.attr("params") or ())
+    return sizes.params_bytes(params), sizes.params_bytes(grads)
+
+
+def simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None = None) -> SimResult:
+    """Simulate one step of ``programs`` (every rank's, from one plan) under ``cost``. ``dag`` (the
+    plan's DAG) supplies tensor sizes for memory and ``FlopCost``; without it memory reads 0.
+    Raises ``PiperPlanError`` (with the verifier's grid) if the programs deadlock."""
+    cost.bind(dag)
+    sim = _Sim(programs, cost)
+    sim.run()
+    rank_end = {}
+    for r in sim.ranks:
+        last = max([sim.host[r]] + list(sim.done[r].values()))
+        rank_end[r] = last + cost.epilogue(r)
+    sizes = Sizes.from_dag(dag)
+    by_pos = {(s.rank, s.pos): s for s in sim.spans}
+    peaks, timeline, params, grads = {}, {}, {}, {}
+    for p in programs:
+        peaks[p.rank], timeline[p.rank] = _memory(p, sizes, by_pos)
+        params[p.rank], grads[p.rank] = _state_bytes(p, sizes)
+    sim.spans += [Span(r, STEP_STREAM, "step", "step", STEP_KIND, 0.0, rank_end[r]) for r in sim.ranks]
+    sim.spans.sort(key=lambda s: (s.rank, s.start, s.pos))
+    return SimResult(max(rank_end.values(), default=0.0), sim.ranks, sim.busy, rank_end, sim.spans, peaks, params,
+                     grads, timeline)
+
+
+def simulate_plan(plan: Any, cost: CostModel | None = None) -> SimResult:
+    """Simulate a plan (``piper.plan(...)``'s ``StaticPlan``, or anything with ``programs`` and
+    ``dag``) under ``cost`` (default ``FlopCost()``)."""
+    from piper_compile.sim.cost import FlopCost
+
+    return simulate(plan.programs, cost if cost is not None else FlopCost(), getattr(plan, "dag", None))
