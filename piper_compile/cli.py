@@ -46,17 +46,51 @@ def explain(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result = piper.plan(model, *batch, directives=_directives(args), world_size=world)
     dt = time.perf_counter() - t0
-    shown = result.programs if args.ranks is None else [result.programs[r] for r in args.ranks]
-    for p in shown:
-        print(p.to_text() if args.verbose else p.to_text().splitlines()[0])
+    if args.cmd == "explain":
+        shown = result.programs if args.ranks is None else [result.programs[r] for r in args.ranks]
+        for p in shown:
+            print(p.to_text() if args.verbose else p.to_text().splitlines()[0])
     print(f"# {world} ranks, {len(result.dag)} DAG nodes ({result.dag.summary()}); verified in {dt:.2f}s")
+    _report_simulation(result, args)
     return 0
+
+
+def _report_simulation(result: object, args: argparse.Namespace) -> None:
+    from piper_compile.sim import FlopCost, draw_grid, simulate_plan, write_trace
+
+    t0 = time.perf_counter()
+    sim = simulate_plan(result, FlopCost(flops_per_s=args.flops, bytes_per_s=args.bandwidth,
+                                         latency_s=args.latency))
+    dt = time.perf_counter() - t0
+    bubble = 1 - sum(sim.busy.values()) / (sim.step_time * len(sim.ranks)) if sim.step_time else 0.0
+    peak = max(sim.peak_bytes.values()) if sim.peak_bytes else 0
+    print(f"# predicted step {sim.step_time * 1e3:.3f} ms, bubble {bubble:.1%}, peak memory per rank "
+          f"{peak / 2**20:.2f} MiB (rank 0: {sim.peak_bytes.get(0, 0) / 2**20:.2f} MiB); simulated in {dt:.2f}s "
+          f"(FLOP model: {args.flops:.3g} FLOP/s, {args.bandwidth:.3g} B/s)")
+    if args.trace:
+        write_trace(sim, args.trace)
+        print(f"# trace: {args.trace}")
+    if args.grid:
+        draw_grid(sim, args.grid)
+        print(f"# grid: {args.grid}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_compile", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("explain", help="plan, verify and print per-rank programs")
+    e = sub.add_parser("explain", help="plan, verify and print per-rank programs, with predicted time/memory")
+    _add_plan_args(e)
+    s = sub.add_parser("simulate", help="plan, verify and report predicted step time, bubble and memory")
+    _add_plan_args(s)
+    args = p.parse_args(argv)
+    try:
+        return explain(args)
+    except PiperError as err:
+        print(err, file=sys.stderr)
+        return 2
+
+
+def _add_plan_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--model", choices=["mlp", "skip", "gpt"], default="gpt")
     e.add_argument("--stages", type=int, default=2)
     e.add_argument("--dp", type=int, default=1)
@@ -67,12 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--directives", help="a JSON file of directives (overrides --stages/--dp/...)")
     e.add_argument("--ranks", type=int, nargs="*", help="only print these ranks")
     e.add_argument("-v", "--verbose", action="store_true", help="one line per instruction")
-    args = p.parse_args(argv)
-    try:
-        return explain(args)
-    except PiperError as err:
-        print(err, file=sys.stderr)
-        return 2
+    e.add_argument("--flops", type=float, default=1e12, help="cost model: FLOP/s per rank")
+    e.add_argument("--bandwidth", type=float, default=10e9, help="cost model: bytes/s per link")
+    e.add_argument("--latency", type=float, default=10e-6, help="cost model: seconds per message")
+    e.add_argument("--trace", help="write the simulated Chrome/Perfetto trace here (.json)")
+    e.add_argument("--grid", help="draw the simulated schedule grid here (.svg)")
 
 
 if __name__ == "__main__":

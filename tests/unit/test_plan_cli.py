@@ -33,6 +33,19 @@ def test_cli_explain(capsys):
     assert main(["explain", "--model", "mlp", "--stages", "2", "--dp", "2", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("rank 0: ") and "# 4 ranks" in out and "verified" in out
+    assert "# predicted step" in out and "bubble" in out and "peak memory per rank" in out
+
+
+def test_cli_simulate_writes_trace_and_grid(capsys, tmp_path):
+    trace, grid = tmp_path / "t.json", tmp_path / "g.svg"
+    assert main(["simulate", "--model", "mlp", "--stages", "2", "--microbatches", "4", "--trace", str(trace),
+                 "--grid", str(grid)]) == 0
+    out = capsys.readouterr().out
+    assert not out.startswith("rank 0:") and "# predicted step" in out
+    import json
+
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert grid.read_text().lstrip().startswith("<svg") or "<svg" in grid.read_text()[:200]
 
 
 def test_cli_reports_piper_errors(capsys, tmp_path):
