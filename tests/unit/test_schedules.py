@@ -11,16 +11,8 @@ from piper_compile.schedules.builders import stage_sequence as _stage_sequence
 
 
 def stage_sequence(kind: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """``(PASS, MB)`` steps of one stage from the library's builder (whose steps may also name the stage)."""
-    out = []
-    for step in _stage_sequence(kind, stage, stages, microbatches):
-        if len(step) == 3:
-            p, st_, mb = step
-            assert st_ == stage, (kind, stage, step)
-        else:
-            p, mb = step
-        out.append((p, mb))
-    return out
+    """``(PASS, MB)`` steps of one stage from the library's builder (steps are (pass, stage, mb))."""
+    return [(p, mb) for p, _, mb in _stage_sequence(kind, stage, stages, microbatches)]
 
 
 SHAPES = list(itertools.product(range(1, 9), range(1, 13)))
