@@ -45,8 +45,10 @@ class CompiledSegment:
         self.compile_seconds += time.perf_counter() - t0
         return lambda a: compiled(list(a))
 
-    def __call__(self, args: list[Any]) -> list[Any]:
-        sig = _signature(args)
+    def __call__(self, args: list[Any], key: Any = None) -> list[Any]:
+        """Run on ``args``. ``key`` (optional) stands for the input signature -- the runtime passes the
+        step's symbol values, which determine every input shape -- so shapes are not re-hashed per call."""
+        sig = _signature(args) if key is None else key
         fn = self._cache.get(sig)
         if fn is None:
             fn = self._cache[sig] = self._compile(args)

@@ -30,8 +30,12 @@ class StepStats:
     collectives: dict[str, int] = field(default_factory=dict)
     p2p: int = 0
     compute: int = 0
-    peak_live_bytes: int = 0
+    peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
     seconds: float = 0.0
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def _split_mb(name: str) -> tuple[str, int | None]:
@@ -62,6 +66,7 @@ class Executor:
         self.grads = GradBuffers.for_program(program, joint) if not forward_only else None
         self.stats = StepStats()
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
+        self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
 
     # -- externals -------------------------------------------------------------------------------
     def _symbols(self, args: list[Any], mb_size: int) -> dict[str, int]:
@@ -74,12 +79,12 @@ class Executor:
     def _external(self, name: str, args: list[Any], mb_size: int, syms: dict[str, int], dtype: torch.dtype) -> Any:
         base, mb = _split_mb(name)
         if base.startswith("symexpr:"):
-            return eval_sym(base[len("symexpr:"):], syms)
+            return self._eval(base[len("symexpr:"):], syms)
         spec = self.specs.get(base)
         if spec is None:
             raise PiperRuntimeError(f"piper: internal: rank {self.rank} has no value {name}")
         if spec.kind in (PARAM, BUFFER):
-            return args[spec.arg_index].detach()
+            return args[spec.arg_index]  # segments run under no_grad: no autograd graph is built
         if spec.kind == TANGENT:
             return torch.full((), 1.0 / (self.m * self.dp), dtype=dtype, device=self.state.device)
         if spec.kind == SYM:
@@ -89,6 +94,14 @@ class Executor:
         if spec.batched and mb is not None:
             return x.narrow(0, mb * mb_size, mb_size)
         return x
+
+    def _eval(self, expr: str, syms: dict[str, int]) -> int:
+        """A SymInt expression at these symbol values (sympy once per expression and assignment)."""
+        k = (expr, tuple(sorted(syms.items())))
+        v = self._sym_cache.get(k)
+        if v is None:
+            v = self._sym_cache[k] = eval_sym(expr, syms)
+        return v
 
     # -- waiting -----------------------------------------------------------------------------------
     def _wait(self, pending: dict[str, tuple[Any, Instr, int]], name: str) -> None:
@@ -135,10 +148,17 @@ class Executor:
         if self.grads is not None:
             self.grads.zero_()
 
+        externals: dict[str, Any] = {}  # resolved once per step, not once per use
+        key = (mb_size, *sorted(syms.items()))  # every input shape follows from the symbol values
+        live = 0
+
         def get(v: str) -> Any:
-            if v in env:
-                return env[v]
-            return self._external(v, args, mb_size, syms, dtype)
+            x = env.get(v)
+            if x is None:
+                x = externals.get(v)
+                if x is None:
+                    x = externals[v] = self._external(v, args, mb_size, syms, dtype)
+            return x
 
         for pos, ins in enumerate(self.program.instrs):
             for w in ins.waits:
@@ -148,8 +168,9 @@ class Executor:
             rec.begin()
             n = ins.node
             if n.kind is Kind.COMPUTE:
-                outs = self.segments[n.attr("segment")]([get(v) for v in n.inputs])
+                outs = self.segments[n.attr("segment")]([get(v) for v in n.inputs], key)
                 env.update(zip(n.outputs, outs))
+                live += sum(_nbytes(t) for t in outs)
                 self.stats.compute += 1
                 if n.attr("loss"):
                     loss_sum += env[n.attr("loss")].detach()
@@ -164,9 +185,10 @@ class Executor:
                 if n.attr("state"):
                     buf = self.grads.view(n.attr("state"))
                 else:
-                    shape = [eval_sym(s, syms) for s in n.attr("shape")]
+                    shape = [self._eval(d, syms) for d in n.attr("shape")]
                     buf = torch.empty(shape, dtype=getattr(torch, n.attr("dtype")), device=self.state.device)
                     env[n.outputs[0]] = buf
+                    live += _nbytes(buf)
                 pending[n.name] = (dist.irecv(buf, src=ins.peer, group=self._group(ins)), ins, pos)
                 self.stats.p2p += 1
             elif n.kind is Kind.ALL_REDUCE:
@@ -175,9 +197,9 @@ class Executor:
                 self.state.apply_update(n.attr("params"), self.grads, args, self.joint)
             else:
                 raise PiperRuntimeError(f"piper: internal: no runtime for {n.kind}")
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, live)
             for v in ins.frees:
-                env.pop(v, None)
-            self._track_memory(env)
+                live -= _nbytes(env.pop(v, None))
             rec.end(pos, ins, pending.get(n.name))
         for name in list(pending):
             tw = rec.now()
@@ -220,7 +242,3 @@ class Executor:
         val = self.joint.gm.graph.find_nodes(op="output")[0].args[0][0].meta.get("val")
         return val.dtype if isinstance(val, torch.Tensor) else torch.float32
 
-    def _track_memory(self, env: dict[str, Any]) -> None:
-        live = sum(t.untyped_storage().nbytes() for t in env.values() if isinstance(t, torch.Tensor))
-        if live > self.stats.peak_live_bytes:
-            self.stats.peak_live_bytes = live
