@@ -47,6 +47,17 @@ def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> 
     return out
 
 
+_PARSED: dict[str, Any] = {}
+
+
+def _parse(text: str) -> Any:
+    """A dimension expression string as a sympy expression (parsed once per distinct string)."""
+    expr = _PARSED.get(text)
+    if expr is None:
+        expr = _PARSED[text] = sympy.sympify(text.replace(";", ","))
+    return expr
+
+
 def concrete(dim: Any, symbols: dict[str, int]) -> int:
     """A dimension (int, SymInt or expression string such as ``"s95*s75"``) at the given symbol values."""
     if isinstance(dim, int):
@@ -57,7 +68,7 @@ def concrete(dim: Any, symbols: dict[str, int]) -> int:
         text = str(dim)
         if text.lstrip("-").isdigit():
             return int(text)
-        expr = sympy.sympify(text.replace(";", ","), locals={k: sympy.Symbol(k) for k in symbols})
+        expr = _parse(text)
     # by name: the shape environment's symbols carry assumptions (integer, positive) that Symbol(k) lacks
     return int(expr.xreplace({s: symbols[s.name] for s in expr.free_symbols if s.name in symbols}))
 

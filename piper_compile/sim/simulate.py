@@ -107,12 +107,19 @@ class _Sim:
         self.free_at: dict[QueueKey, float] = defaultdict(float)
         self.spans: list[Span] = []
         self.busy = {r: 0.0 for r in self.ranks}
+        # Worklists: only ranks and queues whose state changed are looked at again (large worlds).
+        self.by_rank = {p.rank: p for p in programs}
+        self.dirty_ranks: set[int] = set(self.ranks)
+        self.dirty_queues: set[QueueKey] = set()
+        self.remaining = sum(len(p.instrs) for p in programs)  # host issues + queue completions left
+        self.queued = 0
 
     def issue_ready(self) -> bool:
-        """Advance every host thread as far as its waits allow."""
+        """Advance every host thread whose state changed as far as its waits allow."""
         moved = False
-        for p in self.programs:
-            r = p.rank
+        ranks, self.dirty_ranks = sorted(self.dirty_ranks), set()
+        for r in ranks:
+            p = self.by_rank[r]
             while self.pcs[r] < len(p.instrs):
                 ins = p.instrs[self.pcs[r]]
                 if not all(w in self.done[r] for w in ins.waits):
@@ -121,7 +128,10 @@ class _Sim:
                 t = max([free] + [self.done[r][w] for w in ins.waits])
                 if ins.is_async:
                     end = t + self.cost.issue(ins, r)
-                    self.queues[_queue_key(r, ins)].append(_Issued(ins, r, self.pcs[r], t, end, t - free))
+                    key = _queue_key(r, ins)
+                    self.queues[key].append(_Issued(ins, r, self.pcs[r], t, end, t - free))
+                    self.dirty_queues.add(key)
+                    self.queued += 1
                 else:
                     end = t + self.cost.duration(ins, r)
                     self.spans.append(span_of(ins, r, self.pcs[r], t, end, wait_s=t - free))
@@ -137,6 +147,9 @@ class _Sim:
         end = start + duration
         for k, it in items:
             self.queues[k].popleft()
+            self.queued -= 1
+            self.dirty_queues.add(k)  # its next head may now match
+            self.dirty_ranks.add(it.rank)  # a host waiting on this may move
             self.free_at[k] = end
             self.done[it.rank][it.ins.name] = end
             self.spans.append(span_of(it.ins, it.rank, it.pos, it.start, end, issue_end=it.ready, wait_s=it.wait_s))
@@ -144,8 +157,9 @@ class _Sim:
     def complete_heads(self) -> bool:
         """Start and finish every queue head whose partners are at the head of theirs."""
         moved = False
-        for key in list(self.queues):
-            q = self.queues[key]
+        keys, self.dirty_queues = sorted(self.dirty_queues), set()
+        for key in keys:
+            q = self.queues.get(key)
             if not q:
                 continue
             head = q[0]
@@ -169,7 +183,7 @@ class _Sim:
         return moved
 
     def finished(self) -> bool:
-        return all(self.pcs[p.rank] == len(p.instrs) for p in self.programs) and not any(self.queues.values())
+        return self.queued == 0 and all(self.pcs[p.rank] == len(p.instrs) for p in self.programs)
 
     def run(self) -> None:
         while not self.finished():
