@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RankResult, Spec, Summary, add_common_args, build_gpt, compare_losses,  # noqa: E402
-                    global_batches, print_table, timed_loop)
+from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
+                    global_batches, load_note, print_ratios, print_table, timed_loop)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
 
@@ -49,8 +49,8 @@ def piper_worker(rank: int, world: int, spec: Spec) -> RankResult:
     stats = piper.last_stats(step)
     cs = piper.compiled_steps(step)[0]
     res.extra = {"collectives": dict(stats.collectives), "compute": stats.compute,
-                 "peak_live_mib": stats.peak_live_bytes / 2**20, "executor_s": stats.seconds,
-                 "compile_s": sum(c.compile_seconds for c in cs.compiled.values()),
+                 "peak_live_mib": round(stats.peak_live_bytes / 2**20, 1), "last_step_s": round(stats.seconds, 3),
+                 "compile_s": round(sum(c.compile_seconds for c in cs.compiled.values()), 1),
                  "segments": sorted(cs.compiled)}
     return res
 
@@ -91,6 +91,7 @@ def main() -> None:
     args = p.parse_args()
     spec = Spec.from_args(args)
     print(f"bench_dp: {spec.describe()}, {os.cpu_count()} CPU cores", flush=True)
+    print(f"before: {load_note()}")
     rows: dict[str, dict[str, Summary]] = {}
     piper_name = f"piper replicate ({spec.codegen})"
     all_ok = True
@@ -101,7 +102,8 @@ def main() -> None:
         for name, (fn, extra) in VARIANTS.items():
             label = piper_name if fn is piper_worker else name
             print(f"  running {config} {label} ...", flush=True)
-            results[label] = run_local(fn, world, spec, *extra, timeout_s=args.timeout)
+            launch = functools.partial(run_local, fn, world, spec, *extra, timeout_s=args.timeout)
+            results[label] = best_of(args.rounds, launch)
             rows[config][label] = Summary.of(results[label])
         piper0 = results[piper_name][0]
         print(f"  {config} piper rank-0 counters: {piper0.extra}")
@@ -109,10 +111,8 @@ def main() -> None:
             all_ok &= compare_losses(f"{config} loss piper vs {peer}", piper0.losses, results[peer][0].losses)
     print_table("data parallel: median step time (slowest rank per step)", rows,
                 {c: piper_name for c in rows})
-    for config, v in rows.items():
-        pm = v[piper_name].median_ms
-        print(f"{config}: piper/compile(DDP) = {pm / v['compile(DDP) inductor'].median_ms:.2f}, "
-              f"piper/DDP eager = {pm / v['DDP eager'].median_ms:.2f}")
+    print_ratios(rows, {c: piper_name for c in rows})
+    print(f"after: {load_note()}")
     print(f"correctness: {'all losses agree' if all_ok else 'LOSS MISMATCH (see above)'}")
     if args.profile:
         profile_piper(spec)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RankResult, Spec, Summary, add_common_args, build_gpt, compare_losses,  # noqa: E402
-                    global_batches, print_table, timed_loop)
+from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
+                    global_batches, load_note, print_ratios, print_table, timed_loop)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
 from piper_compile.testing.models import GPT  # noqa: E402
@@ -136,6 +136,7 @@ def main() -> None:
         p.error(f"--batch {spec.batch} must be a multiple of --microbatches {m}")
     print(f"bench_pp: {spec.describe()} (the whole batch goes through the pipeline), {m} micro-batches, "
           f"{os.cpu_count()} CPU cores", flush=True)
+    print(f"before: {load_note()}")
     rows: dict[str, dict[str, Summary]] = {}
     piper_of: dict[str, str] = {}
     all_ok = True
@@ -149,19 +150,19 @@ def main() -> None:
             peer_name = f"pipelining {'ScheduleGPipe' if sched == 'gpipe' else 'Schedule1F1B'}"
             rows[config], piper_of[config] = {}, piper_name
             print(f"  running {config}: {piper_name} ...", flush=True)
-            ours = run_local(piper_worker, stages, spec, sched, m, timeout_s=args.timeout)
+            ours = best_of(args.rounds, functools.partial(run_local, piper_worker, stages, spec, sched, m,
+                                                          timeout_s=args.timeout))
             print(f"  running {config}: {peer_name} ...", flush=True)
-            theirs = run_local(pipelining_worker, stages, spec, sched, m, timeout_s=args.timeout)
+            theirs = best_of(args.rounds, functools.partial(run_local, pipelining_worker, stages, spec, sched, m,
+                                                            timeout_s=args.timeout))
             rows[config][piper_name], rows[config][peer_name] = Summary.of(ours), Summary.of(theirs)
             for r in range(stages):
                 print(f"  {config} piper rank {r} counters: {ours[r].extra}")
             all_ok &= compare_losses(f"{config} last-stage loss piper vs pipelining", ours[-1].losses,
                                      theirs[-1].losses)
     print_table(f"pipeline parallel, {m} micro-batches: median step time (slowest rank per step)", rows, piper_of)
-    for config, v in rows.items():
-        pm = v[piper_of[config]].median_ms
-        peer = next(k for k in v if k != piper_of[config])
-        print(f"{config}: piper/{peer.split()[1]} = {pm / v[peer].median_ms:.2f}")
+    print_ratios(rows, piper_of)
+    print(f"after: {load_note()}")
     print(f"correctness: {'all losses agree' if all_ok else 'LOSS MISMATCH (see above)'}")
 
 

@@ -8,13 +8,20 @@ the median and p90 and the first step's time is reported separately as "first s"
 grew during the timed steps (after warm-up): a steady state should show ~0. Every variant runs in
 freshly spawned processes, so one variant's peak never leaks into another's.
 
+"cpu ms" is the median of the busiest rank's process CPU time per step (all its threads). On a shared
+or throttled machine wall time can double from one minute to the next while CPU time barely moves:
+trust a wall ratio only when the cpu ratio agrees, and use ``--rounds 3`` (best median of 3 launches
+per variant) for wall numbers. The load averages printed before and after include our own ranks.
+
 Ratios are ``piper / peer`` on the median step time: below 1.00 piper is faster, above 1.00 slower.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +48,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--lr", type=float, default=1e-3)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=900, help="seconds before a spawned run is declared hung")
+    r.add_argument("--rounds", type=int, default=1,
+                   help="launch every variant this many times (fresh processes) and keep its best median")
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,23 @@ class Spec:
         m = self.model
         return (f"GPT dim={m['dim']} layers={m['layers']} heads={m['heads']} seq={m['seq']} vocab={m['vocab']}, "
                 f"local batch {self.batch}, AdamW lr={self.lr}, {self.warmup} warm-up + {self.steps} timed steps, "
-                f"piper codegen={self.codegen}, torch {torch.__version__}, 1 thread/rank")
+                f"piper codegen={self.codegen}, torch {torch.__version__}, piper {piper_revision()}, 1 thread/rank")
+
+
+def piper_revision() -> str:
+    """The piper imported (``PYTHONPATH`` may point at a snapshot): its commit, "+dirty" when the working tree
+    has local changes under piper_compile/, or its path when it is not in a git checkout."""
+    import piper_compile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(piper_compile.__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "piper_compile"],
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return f"at {root} (not a git checkout)"
 
 
 def build_gpt(spec: Spec, untie: bool = False) -> GPT:
@@ -86,6 +111,16 @@ def global_batches(model: GPT, spec: Spec, n: int) -> list[tuple[torch.Tensor, t
     return out
 
 
+def load_note() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min) {five:.1f} (5 min) on {os.cpu_count()} cores (our own ranks count too)"
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
@@ -95,6 +130,7 @@ class RankResult:
     """One rank's measurements of one variant (picklable: goes back through ``run_local``)."""
 
     times: list[float]  # seconds per timed step
+    cpu: list[float]  # CPU seconds (user + system, all threads of the process) per timed step
     first_s: float  # the first (compiling) step
     losses: list[float]  # this rank's loss per step (warm-up included); nan where the rank has none
     peak_rss: float  # MiB
@@ -105,6 +141,7 @@ class RankResult:
 def timed_loop(step: Callable[[int], torch.Tensor | None], spec: Spec) -> RankResult:
     """Run ``step(i)`` for warm-up + timed steps with a barrier before each; ``step`` returns its loss."""
     times: list[float] = []
+    cpu: list[float] = []
     losses: list[float] = []
     first = 0.0
     rss_after_warmup = peak_rss_mib()
@@ -112,17 +149,18 @@ def timed_loop(step: Callable[[int], torch.Tensor | None], spec: Spec) -> RankRe
         if i == spec.warmup:
             rss_after_warmup = peak_rss_mib()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         loss = step(i)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
         losses.append(float("nan") if loss is None else float(loss.detach()))
         if i == 0:
             first = dt
         if i >= spec.warmup:
             times.append(dt)
+            cpu.append(dc)
     dist.barrier()
     peak = peak_rss_mib()
-    return RankResult(times, first, losses, peak, peak - rss_after_warmup)
+    return RankResult(times, cpu, first, losses, peak, peak - rss_after_warmup)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -138,6 +176,7 @@ def percentile(xs: list[float], q: float) -> float:
 class Summary:
     median_ms: float
     p90_ms: float
+    cpu_ms: float  # median over steps of the busiest rank's CPU time: less sensitive to other load
     first_s: float
     rss: list[float]  # peak MiB per rank
     growth: list[float]  # MiB per rank
@@ -145,14 +184,22 @@ class Summary:
     @classmethod
     def of(cls, ranks: list[RankResult]) -> "Summary":
         per_step = [max(r.times[i] for r in ranks) for i in range(len(ranks[0].times))]  # slowest rank
+        cpu = [max(r.cpu[i] for r in ranks) for i in range(len(ranks[0].cpu))]
         return cls(1e3 * statistics.median(per_step), 1e3 * percentile(per_step, 0.9),
+                   1e3 * statistics.median(cpu),
                    max(r.first_s for r in ranks), [r.peak_rss for r in ranks], [r.rss_growth for r in ranks])
+
+
+def best_of(rounds: int, launch: Callable[[], list[RankResult]]) -> list[RankResult]:
+    """``launch()`` ``rounds`` times; the round with the lowest median step time (least disturbed by other load)."""
+    runs = [launch() for _ in range(max(1, rounds))]
+    return min(runs, key=lambda ranks: Summary.of(ranks).median_ms)
 
 
 def print_table(title: str, rows: dict[str, dict[str, Summary]], piper: dict[str, str]) -> None:
     """``rows[config][variant]``; ``piper[config]`` names the piper variant the ratio column divides."""
     print(f"\n== {title}")
-    head = (f"{'config':<10} {'variant':<28} {'median ms':>10} {'p90 ms':>9} {'first s':>8}  "
+    head = (f"{'config':<10} {'variant':<28} {'median ms':>10} {'p90 ms':>9} {'cpu ms':>8} {'first s':>8}  "
             f"{'peak RSS MiB per rank':<24} {'+RSS MiB':<14} {'piper/this':>10}")
     print(head)
     print("-" * len(head))
@@ -162,8 +209,17 @@ def print_table(title: str, rows: dict[str, dict[str, Summary]], piper: dict[str
             rss = " / ".join(f"{x:.0f}" for x in s.rss)
             grow = " / ".join(f"{x:+.0f}" for x in s.growth)
             ratio = "-" if name == piper[config] else f"{ref / s.median_ms:.2f}"
-            print(f"{config:<10} {name:<28} {s.median_ms:>10.1f} {s.p90_ms:>9.1f} {s.first_s:>8.1f}  "
+            print(f"{config:<10} {name:<28} {s.median_ms:>10.1f} {s.p90_ms:>9.1f} {s.cpu_ms:>8.1f} {s.first_s:>8.1f}  "
                   f"{rss:<24} {grow:<14} {ratio:>10}")
+
+
+def print_ratios(rows: dict[str, dict[str, Summary]], piper: dict[str, str]) -> None:
+    """One line per configuration: piper / peer on median wall time and on median CPU time."""
+    for config, variants in rows.items():
+        ours = variants[piper[config]]
+        parts = [f"piper / {name} = {ours.median_ms / s.median_ms:.2f} wall, {ours.cpu_ms / s.cpu_ms:.2f} cpu"
+                 for name, s in variants.items() if name != piper[config]]
+        print(f"{config}: " + "; ".join(parts))
 
 
 def compare_losses(label: str, a: list[float], b: list[float], rtol: float = 1e-4) -> bool:
