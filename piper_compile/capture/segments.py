@@ -114,20 +114,25 @@ def _is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op != "placeholder"
 
 
+FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket starts communication early
+
+
 def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -> list[list[fx.Node]]:
-    """Cut a backward node list after the node whose gradient outputs fill a bucket of ``cap_bytes``, so
-    each bucket's all-reduce can start while the rest of the backward still computes."""
+    """Cut a backward node list after the node whose gradient outputs fill a bucket (the first bucket
+    at most 1 MiB, the others ``cap_bytes``), so each bucket's all-reduce can start while the rest of
+    the backward still computes."""
     chunks: list[list[fx.Node]] = [[]]
     size = 0.0
+    cap = min(cap_bytes, FIRST_BUCKET_BYTES)
     for n in nodes:
         chunks[-1].append(n)
         fqn = joint.grad_of.get(n.name)
         if fqn is not None:
             p = joint.params[fqn]
             size += p.numel() * p.element_size()
-            if size >= cap_bytes:
+            if size >= cap:
                 chunks.append([])
-                size = 0.0
+                size, cap = 0.0, cap_bytes
     return [c for c in chunks if c]
 
 

@@ -38,10 +38,18 @@ class CompiledSegment:
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
         t0 = time.perf_counter()
         with torch.no_grad():
             static = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-            compiled = compile_fx_inner(static, list(args))
+            # A tracing context with a shape env lets Inductor's FX graph cache key the (static) graph,
+            # so ranks and later runs compiling the same segment hit the on-disk cache.
+            ctx = TracingContext(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
+            with tracing(ctx):
+                compiled = compile_fx_inner(static, list(args))
         self.compile_seconds += time.perf_counter() - t0
         return lambda a: compiled(list(a))
 
