@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from piper_compile.errors import PiperError
 
@@ -36,12 +37,16 @@ def explain(args: argparse.Namespace) -> int:
     from piper_compile.testing.models import build_model
 
     depth = max(4, args.stages)
-    # CPU parameters: the built-in models are small. (On the meta device the joint trace loses the
-    # loss's backward: aten::nll_loss has no meta autograd kernel.)
-    model = build_model(args.model, **({"layers": depth} if args.model == "gpt" else {"depth": depth}))
+    sizes: dict = {"layers": depth} if args.model == "gpt" else {"depth": depth}
+    if args.dim:
+        sizes["dim"] = args.dim
+    # Fake CPU parameters (meta storage, no memory): plans for models of any size fit on this machine.
+    # (The meta device itself does not work: the joint trace loses nll_loss's backward there.)
+    with FakeTensorMode():
+        model = build_model(args.model, **sizes)
+        batch = model.make_batch(args.batch, torch.Generator().manual_seed(0))
     if args.stages > 1:
         model.annotate_stages(args.stages)
-    batch = model.make_batch(args.batch, torch.Generator().manual_seed(0))
     world = args.world_size or args.stages * args.dp
     t0 = time.perf_counter()
     result = piper.plan(model, *batch, directives=_directives(args), world_size=world)
@@ -97,6 +102,7 @@ def _add_plan_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--microbatches", type=int, default=4)
     e.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     e.add_argument("--batch", type=int, default=8, help="local batch per replica")
+    e.add_argument("--dim", type=int, default=None, help="model width (parameters are fake: any size fits)")
     e.add_argument("--world-size", type=int, default=None, help="default: stages * dp")
     e.add_argument("--directives", help="a JSON file of directives (overrides --stages/--dp/...)")
     e.add_argument("--ranks", type=int, nargs="*", help="only print these ranks")

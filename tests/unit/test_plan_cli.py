@@ -89,3 +89,19 @@ def test_auto_indexed_annotations_become_stages():
 def test_mixing_auto_and_explicit_indices_is_rejected():
     with pytest.raises(piper.PiperCaptureError, match="both auto-indexed"):
         piper.plan(_AutoTagged(mixed=True), torch.randn(4, 8), torch.randn(4, 8), directives=[], world_size=1)
+
+
+def test_plan_a_large_model_with_fake_parameters():
+    """Parameters created under FakeTensorMode take no memory: a 1.2B-parameter GPT plans for PP4."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        model = build_model("gpt", dim=4096, layers=4, vocab=32000, seq=64)
+        batch = model.make_batch(4, torch.Generator().manual_seed(0))
+    assert isinstance(model.wte.weight, FakeTensor)
+    assert sum(p.numel() for p in model.parameters()) > 0.9e9
+    model.annotate_stages(4)
+    result = piper.plan(model, *batch, directives=[*piper.pipeline(4), piper.split(2),
+                                                    *piper.schedules.one_f_one_b(4, 2)], world_size=4)
+    computes = [i.short() for i in result.programs[3].instrs if i.node.kind is Kind.COMPUTE]
+    assert computes == ["F3.mb0", "B3.mb0", "F3.mb1", "B3.mb1"]
