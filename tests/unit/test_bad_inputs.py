@@ -205,6 +205,15 @@ def test_dynamic_graph_that_hard_codes_the_batch_size() -> None:
     assert "view" in msg
 
 
+def test_dynamic_graph_that_reshapes_across_the_batch() -> None:
+    """Batch 16 stays symbolic, but view(8, -1) mixes samples: micro-batches would silently compute
+    something else, so it must be an error naming the op."""
+    m = HardCodedBatch()
+    step = _compile(m, [piper.split(2)], dynamic=True)
+    msg = _first_call_error(step, _batch(m, 16), PiperDirectiveError)
+    assert "reshapes across the batch dimension" in msg and "view" in msg and "Fix:" in msg
+
+
 class PrintBreak(nn.Module):
     def __init__(self) -> None:
         super().__init__()
