@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -31,19 +32,31 @@ class CompiledSegment:
         self.mode = mode
         self._cache: dict[Signature, Callable[[list[Any]], Any]] = {}
         self.compile_seconds = 0.0
+        self.fallback: str | None = None  # why Inductor failed, when this segment runs eagerly instead
 
     def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
         if self.mode == "eager":
             return lambda a: self.gm(*a)
+        t0 = time.perf_counter()
+        try:
+            compiled = self._inductor(args)
+        except Exception as e:  # noqa: BLE001 - an Inductor bug must not stop training
+            self.fallback = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            warnings.warn(f"piper: Inductor could not compile segment {self.name} ({self.fallback}); running it "
+                          "eagerly (numerics unchanged; set codegen='eager' to silence)", stacklevel=2)
+            return lambda a: self.gm(*a)
+        finally:
+            self.compile_seconds += time.perf_counter() - t0
+        return lambda a: compiled(list(a))
+
+    def _inductor(self, args: list[Any]) -> Any:
+        from torch._guards import TracingContext, tracing
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        t0 = time.perf_counter()
         with torch.no_grad():
             static = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
             if os.environ.get("PIPER_INDUCTOR_CACHE") == "1":
@@ -55,8 +68,7 @@ class CompiledSegment:
                     compiled = compile_fx_inner(static, list(args))
             else:
                 compiled = compile_fx_inner(static, list(args))
-        self.compile_seconds += time.perf_counter() - t0
-        return lambda a: compiled(list(a))
+        return compiled
 
     def __call__(self, args: list[Any], key: Any = None) -> list[Any]:
         """Run on ``args``. ``key`` (optional) stands for the input signature -- the runtime passes the

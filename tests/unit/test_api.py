@@ -96,3 +96,20 @@ def test_explain_lists_program():
     step(*model.make_batch(4, torch.Generator().manual_seed(0)))
     text = piper.explain(step)
     assert text.startswith("rank 0: F.mb0  F.mb1  B.mb0  B.mb1  UPD")
+
+
+def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch):
+    from piper_compile.codegen.compile import CompiledSegment
+
+    def broken(self, args):
+        raise AssertionError("simulated Inductor bug")
+
+    monkeypatch.setattr(CompiledSegment, "_inductor", broken)
+    model = build_model("mlp")
+    ref = copy.deepcopy(model)
+    step = _compile(model, codegen="inductor", directives=[piper.split(2)])
+    x, y = model.make_batch(8, torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="piper: Inductor could not compile segment F.all"):
+        loss = step(x, y)
+    torch.testing.assert_close(loss.detach(), ref(x, y).detach(), rtol=1e-6, atol=1e-6)
+    assert all(c.fallback for c in piper.compiled_steps(step)[0].compiled.values())
