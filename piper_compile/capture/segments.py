@@ -7,6 +7,7 @@ with no tags at all is one region ``{}``.
 """
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -178,10 +179,28 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
             chunks = _chunk_backward(part, joint, bucket_bytes) if chunked else [part]  # type: ignore[arg-type]
             for c, chunk in enumerate(chunks):
                 keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
+    keyed = _getitems_with_producer(keyed, gm)
     seg_of = {n.name: key for key, ns in keyed.items() for n in ns}
     by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node) for key, nodes in keyed.items()}
     _check_acyclic(by_key, seg_of)
     return list(by_key.values())
+
+
+def _getitems_with_producer(keyed: dict[Any, list[fx.Node]], gm: fx.GraphModule) -> dict[Any, list[fx.Node]]:
+    """Keep every ``getitem`` in the segment of the multi-output op it reads, so no tuple ever crosses a
+    segment boundary (a BI/BW or bucket cut can otherwise fall between e.g. ``native_layer_norm_backward``
+    and the getitems of its weight gradients; Inductor cannot return a tuple from a graph)."""
+    where = {n: k for k, ns in keyed.items() for n in ns}
+    for n, k in list(where.items()):
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            src = where.get(n.args[0])
+            if src is not None and src != k:
+                where[n] = src
+    out: dict[Any, list[fx.Node]] = {k: [] for k in keyed}
+    for n in gm.graph.nodes:  # graph order keeps every segment topologically sorted
+        if n in where:
+            out[where[n]].append(n)
+    return out
 
 
 def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node],

@@ -93,7 +93,8 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     owned = {k: p.detach().cpu().clone() for k, p in enumerate(params) if by_id.get(id(p)) in owned_names}
     stats = piper.last_stats(step)
     return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
-            "collectives": dict(stats.collectives), "p2p": stats.p2p}
+            "collectives": dict(stats.collectives), "p2p": stats.p2p,
+            "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback)}
 
 
 def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
