@@ -28,9 +28,13 @@ def check_invariants(dag: TrainingDAG, ctx: PassContext) -> None:
     if sends != recvs:
         fail(f"unmatched SEND/RECV messages {sorted((sends - recvs) + (recvs - sends))}")
     if not ctx.forward_only:
-        updated = Counter(p for n in dag.of_kind(Kind.UPDATE) for p in n.attr("params", ()) for _ in n.devices)
+        updated: set[str] = set()
         for n in dag.of_kind(Kind.UPDATE):
-            dup = [p for p in n.attr("params", ()) if list(n.attr("params")).count(p) > 1]
+            params = list(n.attr("params", ()))
+            dup = sorted({p for p in params if params.count(p) > 1})
             if dup:
                 fail(f"{n.name} updates {dup} twice")
-        del updated
+            updated.update(params)
+        written = {fqn for n in dag.of_kind(Kind.COMPUTE) for _, fqn in n.attr("grads", ()) or ()}
+        if written - updated:
+            fail(f"parameters {sorted(written - updated)} get gradients but no UPDATE")
