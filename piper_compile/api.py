@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from piper_compile.backend import CompiledStep, Options, _STATES, state_for
+from piper_compile.backend import CompiledStep, Options, find_state, state_for
 from piper_compile.capture.joint import source_names
 from piper_compile.errors import PiperError
 from piper_compile.ir.dag import TrainingDAG
@@ -40,11 +40,9 @@ def _find_options(obj: Any, depth: int = 0, seen: set[int] | None = None) -> dic
 
 def _state(step: Any, create: bool) -> Any:
     params = list(_module_of(step).parameters())
-    for p in params:
-        if id(p) in _STATES and any(q is p for q in _STATES[id(p)].params):
-            return _STATES[id(p)]
-    if not create:
-        return None
+    st = find_state(params)
+    if st is not None or not create:
+        return st
     raw = _find_options(step)
     return state_for(params, Options.parse(raw).optimizer if raw is not None else None)
 
@@ -109,6 +107,5 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
 
     torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*example_args)
     cs = CompiledStep(captured["gm"], captured["inputs"], {**(options or {}), "directives": directives},
-                      world=(0, world_size))
-    cs.sources = captured["sources"]
+                      world=(0, world_size), sources=captured["sources"])
     return StaticPlan(*cs.build(forward_only))

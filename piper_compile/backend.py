@@ -73,13 +73,21 @@ class Options:
 _STATES: dict[int, TrainState] = {}
 
 
-def state_for(params: list[nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None) -> TrainState:
+def find_state(params: list[nn.Parameter]) -> TrainState | None:
+    """The TrainState that holds any of ``params`` (ids are checked against the objects: ids get reused)."""
     for p in params:
         st = _STATES.get(id(p))
         if st is not None and any(q is p for q in st.params):
-            if st.factory is None:
-                st.factory = factory
             return st
+    return None
+
+
+def state_for(params: list[nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None) -> TrainState:
+    st = find_state(params)
+    if st is not None:
+        if st.factory is None:
+            st.factory = factory
+        return st
     st = TrainState(params, factory)
     for p in params:
         _STATES[id(p)] = st
@@ -112,9 +120,10 @@ class CompiledStep:
     """What the backend returns: one call = one training step (or forward only under no_grad)."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None,
-                 world: tuple[int, int] | None = None) -> None:
+                 world: tuple[int, int] | None = None, sources: list[str] | None = None) -> None:
         self.gm = gm
-        self.sources = source_names(gm)
+        # Read during Dynamo's compile (the backend call): its grapharg metadata is gone afterwards.
+        self.sources = sources if sources is not None else source_names(gm)
         self.example_inputs = list(example_inputs)
         self.raw_options = options
         self._options: Options | None = None
@@ -153,8 +162,7 @@ class CompiledStep:
         batched = {s.value for s in j.inputs if s.batched}
         static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbols)
         return PassContext(self.world, self.segments, batched, {str(x) for x in j.batch_symbols},
-                           j.batch_size, {f: p.numel() * p.element_size() for f, p in j.params.items()},
-                           forward_only, static_op)
+                           j.batch_size, forward_only, static_op)
 
     def build(self, forward_only: bool) -> tuple[TrainingDAG, list[Program]]:
         """The lowered DAG and every rank's verified program (no process group needed)."""
@@ -216,4 +224,4 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
     return CompiledStep(gm, example_inputs, options)
 
 
-__all__ = ["CompiledStep", "Options", "PiperDirectiveError", "piper_backend", "state_for"]
+__all__ = ["CompiledStep", "Options", "PiperDirectiveError", "find_state", "piper_backend", "state_for"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -46,7 +46,6 @@ class JointGraph:
     batch_symbols: frozenset[Any]  # sympy symbols of the batch dimension (empty when it is static)
     batch_size: int  # the concrete batch size seen at capture
     dynamo_gm: fx.GraphModule
-    symbols: dict[Any, str] = field(default_factory=dict)  # sympy symbol -> sym value name
 
     def spec(self, value: str) -> InputSpec | None:
         for s in self.inputs:
@@ -257,10 +256,8 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
             )
     assert loss is not None
     batch_symbols, batch_size = _batch_symbols(specs, gm)
-    symbols: dict[Any, str] = {}
     for s in final_specs:
         if s.kind == SYM and s.symbol is not None:
-            symbols[s.symbol] = s.value
             s.batched = s.symbol in batch_symbols
     for s, node in zip(specs, gm.graph.find_nodes(op="placeholder")):
         if s.kind != INPUT:
@@ -275,8 +272,7 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
                     "with dynamic=None) or use a different batch size")
         s.batched = (val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
                      and val.shape[0].node.expr in batch_symbols)
-    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size,
-                      gm, symbols)
+    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm)
 
 
 def eval_sym(expr: str | int, values: dict[str, int]) -> int:

@@ -16,7 +16,6 @@ class PassContext:
     batched_values: set[str]  # external values that are sliced per micro-batch
     batch_symbols: set[str]  # names of the batch-size symbols ("s77"); empty if the batch is static
     batch_size: int  # batch size seen at capture
-    param_bytes: dict[str, int]  # fqn -> bytes
     forward_only: bool = False
     static_batch_op: str | None = None  # the op that hard-codes the batch size, if found
     timings: dict[str, float] = field(default_factory=dict)
