@@ -14,12 +14,14 @@ if hasattr(_fx_config, "use_duck_shape"):
     _fx_config.use_duck_shape = False
 
 from piper_compile import schedules  # noqa: E402
-from piper_compile.api import StaticPlan, compiled_steps, explain, last_stats, optimizer, plan  # noqa: E402
+from piper_compile.api import (  # noqa: E402
+    StaticPlan, compiled_steps, explain, last_stats, optimizer, plan, trained_parameters,
+)
 from piper_compile.backend import piper_backend  # noqa: E402
 from piper_compile.capture.annotate import annotate  # noqa: E402
 from piper_compile.directives import order, pipeline, place, replicate, split  # noqa: E402
 from piper_compile.errors import PiperCaptureError, PiperDirectiveError, PiperError, PiperPlanError, PiperRuntimeError  # noqa: E402
 
-__all__ = ["StaticPlan", "plan", "PiperCaptureError", "PiperDirectiveError", "PiperError", "PiperPlanError", "PiperRuntimeError", "annotate",
+__all__ = ["StaticPlan", "plan", "trained_parameters", "PiperCaptureError", "PiperDirectiveError", "PiperError", "PiperPlanError", "PiperRuntimeError", "annotate",
            "compiled_steps", "explain", "last_stats", "optimizer", "order", "piper_backend", "pipeline", "place",
            "replicate", "schedules", "split"]

@@ -83,6 +83,20 @@ def last_stats(step: Any) -> Any:
     raise PiperError("piper: the step has not trained yet")
 
 
+def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
+    """Full current values (copies) of the parameters this rank's device group updates, by FQN. ZeRO
+    shards are all-gathered, so every rank of a ZeRO group must call this together."""
+    st = _state(step, create=False)
+    cs = next((c for c in compiled_steps(step) if False in c.plans), None)
+    if st is None or cs is None:
+        raise PiperError("piper: the step has not trained yet")
+    upd = next((i.node for i in cs.plans[False].programs[cs.rank].instrs if i.node.attr("params") is not None
+                and i.node.kind.name == "UPDATE"), None)
+    names = list(upd.attr("params")) if upd is not None else []
+    gathered = st.gather_zero(cs.plans[False].executor.groups) if st.zero is not None else {}
+    return {f: gathered[f] if f in gathered else cs.joint.params[f].detach().clone() for f in names}
+
+
 class StaticPlan:
     """A strategy planned for ``world_size`` ranks in this process: the DAG and every rank's program."""
 

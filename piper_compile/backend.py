@@ -30,8 +30,9 @@ from piper_compile.plan.verifier import verify_programs
 from piper_compile.runtime.executor import Executor
 from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
 from piper_compile.runtime.state import TrainState
+from piper_compile.runtime.zero import layout_of
 
-_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout"}
+_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm"}
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Options:
     optimizer: Callable[..., torch.optim.Optimizer] | None
     codegen: str
     timeout_s: float
+    clip_grad_norm: float | None = None
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -61,12 +63,20 @@ class Options:
             raise PiperError(f"piper: options['timeout'] must be a number of seconds, got {raw_timeout!r}") from None
         if timeout <= 0:
             raise PiperError(f"piper: options['timeout'] must be > 0 seconds, got {timeout}")
+        clip = options.get("clip_grad_norm")
+        if clip is not None:
+            if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0:
+                raise PiperError(f"piper: options['clip_grad_norm'] must be a positive number (the max global "
+                                 f"gradient norm), got {clip!r}")
+            if opt is None:
+                raise PiperError("piper: options['clip_grad_norm'] clips before piper's optimizer step, so it needs "
+                                 "options['optimizer']; without one, clip param.grad yourself after the call")
         directives = parse_directives(options.get("directives"))
         for d in directives:
             if isinstance(d, Replicate) and d.zero > 0 and opt is None:
                 raise d.error(f"zero={d.zero} shards optimizer state, so piper must run the optimizer",
                               "pass options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
-        return cls(directives, opt, codegen, timeout)
+        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip))
 
 
 # One TrainState per model, found through any of its parameters (shared by the grad/no-grad programs).
@@ -147,11 +157,16 @@ class CompiledStep:
         caps = [d.bucket_size for d in self.options.directives if isinstance(d, Replicate)]
         bucket_bytes = min(caps) * 2**20 if caps else None
         split = split_backward_filters(self.options.directives)
+        zero3 = [d.filter for d in self.options.directives if isinstance(d, Replicate) and d.zero >= 3]
 
         def split_bw(region: Any) -> bool:
             return any(filter_matches(f, dict(region)) for f in split)
 
-        self.segments = {s.name: s for s in extract_segments(self.joint, bucket_bytes, split_bw if split else None)}
+        def chunk_fw(region: Any) -> bool:
+            return any(filter_matches(f, dict(region)) for f in zero3)
+
+        self.segments = {s.name: s for s in extract_segments(self.joint, bucket_bytes, split_bw if split else None,
+                                                             chunk_fw if zero3 else None)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.steps.append(self)
         self.example_inputs = []  # drop references to the first batch
@@ -162,7 +177,7 @@ class CompiledStep:
         batched = {s.value for s in j.inputs if s.batched}
         static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbols)
         return PassContext(self.world, self.segments, batched, {str(x) for x in j.batch_symbols},
-                           j.batch_size, forward_only, static_op)
+                           j.batch_size, forward_only, static_op, clip_grad_norm=self.options.clip_grad_norm)
 
     def build(self, forward_only: bool) -> tuple[TrainingDAG, list[Program]]:
         """The lowered DAG and every rank's verified program (no process group needed)."""
@@ -188,6 +203,7 @@ class CompiledStep:
             groups = GroupRegistry(self.options.timeout_s)
             groups.ensure(group_keys(dag, self.world))
         assert self.state is not None and self.joint is not None
+        self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
         executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
                             len(dag.meta["loss_group"]), dag.meta["loss_group"], self.options.timeout_s,
                             forward_only)
@@ -203,6 +219,7 @@ class CompiledStep:
             tensors = [self.joint.params[f] for f in sorted(self.joint.params)]
             tensors += [self.joint.buffers[f] for f in sorted(self.joint.buffers)]
             self.state.broadcast_from_rank0(tensors)
+        self.state.shard()
         self._check_inputs(args)
         loss = plan.executor.run(list(args))
         if train:

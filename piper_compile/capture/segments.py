@@ -137,6 +137,65 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -
     return [c for c in chunks if c]
 
 
+def _chunk_forward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
+                   derived: set[str]) -> list[list[fx.Node]]:
+    """Cut a forward node list so each piece reads about ``cap_bytes`` of parameters (ZeRO-3: a piece's
+    parameters are all-gathered just before it and freed after it, so the pieces bound the gathered
+    parameter memory). Pieces are contiguous in graph order, hence never cyclic."""
+    chunks: list[list[fx.Node]] = [[]]
+    seen: set[str] = set()
+    size = 0.0
+    for n in nodes:
+        new = [a for a in _param_roots(n, derived, joint) if a not in seen]
+        added = sum(joint.params[a[len("param:"):]].numel() * joint.params[a[len("param:"):]].element_size()
+                    for a in new)
+        if new and size and size + added > cap_bytes:
+            chunks.append([])
+            size = 0.0
+        seen.update(new)
+        size += added
+        chunks[-1].append(n)
+    return [c for c in chunks if c]
+
+
+def _param_roots(n: fx.Node, derived: set[str], joint: JointGraph) -> list[str]:
+    """Parameter values a node reads directly or through parameter-only ops (transposes, casts)."""
+    out: list[str] = []
+    stack = list(n.all_input_nodes)
+    seen: set[str] = set()
+    while stack:
+        a = stack.pop()
+        if a.name in seen:
+            continue
+        seen.add(a.name)
+        if a.op == "placeholder":
+            v = joint.value_of.get(a.name, "")
+            if v.startswith("param:"):
+                out.append(v)
+        elif a.name in derived:
+            stack.extend(a.all_input_nodes)
+    return out
+
+
+def param_derived(gm: fx.GraphModule, joint: JointGraph) -> set[str]:
+    """Nodes computed from parameters alone (``t(W)``, ``W.to(bf16)``): every segment that reads one
+    recomputes it from the parameter instead of receiving it, so no activation aliases a parameter
+    (which under ZeRO-3 would keep a gathered parameter alive from forward to backward)."""
+    params = {k for k, v in joint.value_of.items() if v.startswith("param:")}
+    derived: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.name in joint.grad_of or n.name == joint.loss:
+            continue
+        ins = n.all_input_nodes
+        seeded = torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+        if ins and not seeded and all(a.name in params or a.name in derived for a in ins) \
+                and not any(u.op == "output" for u in n.users):
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) or n.target is operator.getitem:
+                derived.add(n.name)
+    return derived
+
+
 def split_backward(nodes: list[fx.Node], joint: JointGraph, out_node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """Cut one region's backward into BI (everything the gradients leaving the region -- input and
     activation gradients -- depend on) and BW (the rest: weight gradients). Reachability in the joint
@@ -156,15 +215,19 @@ def split_backward(nodes: list[fx.Node], joint: JointGraph, out_node: fx.Node) -
 
 
 def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
-                     split_bw: Callable[[Region], bool] | None = None) -> list[Segment]:
+                     split_bw: Callable[[Region], bool] | None = None,
+                     chunk_fw: Callable[[Region], bool] | None = None) -> list[Segment]:
     """Cut the joint graph into segments: one per region and pass; the backward of regions for which
     ``split_bw`` holds is cut into BI and BW; backward (or BW) segments are further cut into
-    bucket-sized chunks when ``bucket_bytes`` is given. Checks the segment graph is acyclic."""
+    bucket-sized chunks when ``bucket_bytes`` is given, and so are the forward segments of regions for
+    which ``chunk_fw`` holds (ZeRO-3). Parameter-only values are recomputed by each segment that reads
+    them. Checks the segment graph is acyclic."""
     gm = joint.gm
     region, passes = assign_regions(gm)
+    derived = param_derived(gm, joint)
     groups: dict[tuple[str, Region], list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output"):
+        if n.op in ("placeholder", "output") or n.name in derived:
             continue
         groups.setdefault((passes[n.name], region[n.name]), []).append(n)
     out_node = gm.graph.find_nodes(op="output")[0]
@@ -175,13 +238,17 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
             bi, bw = split_backward(nodes, joint, out_node)
             parts = [("BI", bi), ("BW", bw)]
         for part_pass, part in parts:
-            chunked = part_pass in ("B", "BW") and bucket_bytes
-            chunks = _chunk_backward(part, joint, bucket_bytes) if chunked else [part]  # type: ignore[arg-type]
+            if part_pass in ("B", "BW") and bucket_bytes:
+                chunks = _chunk_backward(part, joint, bucket_bytes)
+            elif part_pass == "F" and bucket_bytes and chunk_fw is not None and chunk_fw(reg):
+                chunks = _chunk_forward(part, joint, bucket_bytes, derived)
+            else:
+                chunks = [part]
             for c, chunk in enumerate(chunks):
                 keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
     keyed = _getitems_with_producer(keyed, gm)
     seg_of = {n.name: key for key, ns in keyed.items() for n in ns}
-    by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node) for key, nodes in keyed.items()}
+    by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node, derived) for key, nodes in keyed.items()}
     _check_acyclic(by_key, seg_of)
     return list(by_key.values())
 
@@ -204,7 +271,7 @@ def _getitems_with_producer(keyed: dict[Any, list[fx.Node]], gm: fx.GraphModule)
 
 
 def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node],
-                   seg_of: dict[str, Any], out_node: fx.Node) -> Segment:
+                   seg_of: dict[str, Any], out_node: fx.Node, derived: set[str]) -> Segment:
     pass_, reg, chunk = key
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -212,6 +279,9 @@ def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
 
     def load(a: fx.Node) -> fx.Node:
         if a in env:
+            return env[a]
+        if a.name in derived:  # recomputed here from the parameters
+            env[a] = g.node_copy(a, load)
             return env[a]
         if _is_sym(a):
             # SymInts are never shipped between segments: recompute from the symbol values.

@@ -23,10 +23,16 @@ def split(microbatches: int, filter: Filter | None = None, dim_name: str = "MB")
 
 
 def replicate(filter: Filter | None = None, devices: Sequence[int] | None = None, *, zero: int = 0,
-              bucket_mb: float = 25.0, reduce_stream: str = "dp", gather_stream: str = "dp_gather") -> dict[str, Any]:
-    """Data-parallel replicas of the matched regions over their device group (ZeRO stage ``zero``)."""
+              bucket_mb: float = 25.0, reduce_stream: str = "dp", gather_stream: str = "dp_gather",
+              prefetch: int = 1) -> dict[str, Any]:
+    """Data-parallel replicas of the matched regions over their device group.
+
+    ``zero``: 0 all-reduces gradients; 1 shards the optimizer (each rank updates its shard of a flat
+    fp32 buffer per bucket, then parameters are all-gathered); 2 also reduce-scatters gradients; 3 also
+    keeps parameters only as shards, all-gathered before each use (``prefetch`` compute steps ahead) and
+    freed after it."""
     d: dict[str, Any] = {"op": "replicate", "filter": dict(filter or {}), "zero": zero, "bucket_size": bucket_mb,
-                         "reduce_stream": reduce_stream, "gather_stream": gather_stream}
+                         "reduce_stream": reduce_stream, "gather_stream": gather_stream, "prefetch": prefetch}
     if devices is not None:
         d["devices"] = list(devices)
     return d

@@ -65,11 +65,12 @@ class Replicate(Directive):
     gather_stream: str = "dp_gather"
     bucket_size: float = 25.0  # MB
     zero: int = 0
+    prefetch: int = 1  # ZeRO-3: how many compute steps ahead a parameter all-gather is issued
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"op": "replicate", "filter": dict(self.filter), "reduce_stream": self.reduce_stream,
                              "gather_stream": self.gather_stream, "bucket_size": self.bucket_size,
-                             "zero": self.zero}
+                             "zero": self.zero, "prefetch": self.prefetch}
         if self.devices is not None:
             d["devices"] = list(self.devices)
         return d
@@ -165,7 +166,7 @@ def _parse_split(i: int, raw: dict) -> Split:
 
 def _parse_replicate(i: int, raw: dict) -> Replicate:
     _allowed(i, raw, {"filter", "devices", "reduce_stream", "gather_stream", "bucket_size", "bucket_mb", "zero",
-                      "shard_grads", "shard_params"})
+                      "shard_grads", "shard_params", "prefetch"})
     zero = _check_type(i, raw, "zero", (int,), "0, 1, 2 or 3") if "zero" in raw else 0
     if raw.get("shard_params"):
         zero = max(zero, 3)
@@ -173,9 +174,10 @@ def _parse_replicate(i: int, raw: dict) -> Replicate:
         zero = max(zero, 2)
     if zero not in (0, 1, 2, 3):
         raise PiperDirectiveError(i, raw, f"zero must be 0, 1, 2 or 3, got {zero}", "pick a ZeRO stage 0-3")
-    if zero != 0:
-        raise PiperDirectiveError(i, raw, f"zero={zero} (sharded optimizer/gradients/parameters) is not built yet",
-                                  "use zero=0 (plain data parallel) for now")
+    prefetch = _check_type(i, raw, "prefetch", (int,), "a number of compute steps") if "prefetch" in raw else 1
+    if prefetch < 0:
+        raise PiperDirectiveError(i, raw, f"prefetch must be >= 0, got {prefetch}",
+                                  "use 0 (gather just before use) or 1-2 (overlap the gather with compute)")
     bkey = "bucket_size" if "bucket_size" in raw else "bucket_mb"
     bucket = float(_check_type(i, raw, bkey, (int, float), "a size in MB")) if bkey in raw else 25.0
     if bucket <= 0:
@@ -183,7 +185,7 @@ def _parse_replicate(i: int, raw: dict) -> Replicate:
     devices = _devices(i, raw) if raw.get("devices") is not None else None
     streams = {k: _check_type(i, raw, k, (str,), "a string") for k in ("reduce_stream", "gather_stream") if k in raw}
     return Replicate(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices,
-                     bucket_size=bucket, zero=zero, **streams)
+                     bucket_size=bucket, zero=zero, prefetch=prefetch, **streams)
 
 
 def _parse_order(i: int, raw: dict) -> Order:

@@ -19,6 +19,7 @@ class PassContext:
     forward_only: bool = False
     static_batch_op: str | None = None  # the op that hard-codes the batch size, if found
     timings: dict[str, float] = field(default_factory=dict)
+    clip_grad_norm: float | None = None  # options["clip_grad_norm"]: clip by the global gradient norm
 
     def is_batched(self, value: str) -> bool:
         if value in self.batched_values:

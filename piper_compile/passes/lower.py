@@ -7,12 +7,9 @@ from collections import defaultdict
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
 from piper_compile.passes.context import PassContext
+from piper_compile.passes.zero import ZeroGroup, group_label, holders, insert_param_gather, zero_layout
 
-P2P_FWD, P2P_BWD, P2P_GRAD, LOSS_STREAM = "pp_fwd", "pp_bwd", "pp_grad", "loss"
-
-
-def group_label(devices: tuple[int, ...]) -> str:
-    return "r" + "_".join(map(str, devices))
+P2P_FWD, P2P_BWD, P2P_GRAD, LOSS_STREAM, NORM_STREAM = "pp_fwd", "pp_bwd", "pp_grad", "loss", "norm"
 
 
 def lower_placement(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
@@ -107,15 +104,6 @@ def _grad_writers(dag: TrainingDAG) -> dict[str, list[Node]]:
     return writers
 
 
-def _holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
-    holders: dict[str, set[tuple[int, ...]]] = defaultdict(set)
-    for n in dag.of_kind(Kind.COMPUTE):
-        for v in n.inputs:
-            if v.startswith("param:"):
-                holders[v[len("param:"):]].add(n.devices)
-    return holders
-
-
 def _buckets(fqns: list[str], writers: dict[str, list[Node]]) -> list[list[str]]:
     """One bucket per backward segment (chunk): capture cut backward at bucket-size boundaries, so a
     bucket is complete as soon as its chunk of the last micro-batch has run."""
@@ -130,13 +118,51 @@ def _buckets(fqns: list[str], writers: dict[str, list[Node]]) -> list[list[str]]
     return out
 
 
+def _sync_bucket(dag: TrainingDAG, name: str, kind: Kind, group: tuple[int, ...], stream: str,
+                 bucket: list[str] | tuple[str, ...], writers: dict[str, list[Node]], zero: int) -> Node:
+    """One gradient reduction (all-reduce or reduce-scatter) of a bucket, after its last writer."""
+    node = dag.add(Node(name, kind, make_tags({"BUCKET": name.rsplit(".", 1)[1]}), group, stream, (), (),
+                        tuple(sorted({"params": tuple(bucket), "purpose": "grad", "zero": zero,
+                                      "bucket": name.split(".", 1)[1]}.items()))))
+    for f in bucket:
+        for w in writers[f]:
+            dag.add_order(w.name, node.name)
+    return node
+
+
+def _reduce_group(dag: TrainingDAG, group: tuple[int, ...], fqns: list[str], writers: dict[str, list[Node]],
+                  z: ZeroGroup | None, ready_after: dict[str, list[str]]) -> list[str]:
+    """Gradient reduction of one replicated group; returns the nodes its update waits for."""
+    stream = writers[fqns[0]][0].attr("reduce_stream", "dp")
+    label = group_label(group)
+    deps: list[str] = []
+    if z is None:
+        plan = [(f"AR.{label}.b{b}", Kind.ALL_REDUCE, bucket, 0) for b, bucket in enumerate(_buckets(fqns, writers))]
+    else:
+        kind = Kind.REDUCE_SCATTER if z.level >= 2 else Kind.ALL_REDUCE
+        prefix = "RS" if z.level >= 2 else "AR"
+        plan = [(f"{prefix}.{b}", kind, bucket, z.level) for b, bucket in z.buckets]
+        whole = [f for f in fqns if f in set(z.whole)]
+        plan += [(f"AR.{label}.t{b}", Kind.ALL_REDUCE, bucket, 0) for b, bucket in enumerate(_buckets(whole, writers))]
+    for name, kind, bucket, level in plan:
+        node = _sync_bucket(dag, name, kind, group, stream, bucket, writers, level)
+        for f in bucket:
+            ready_after[f] = [node.name]
+        deps.append(node.name)
+    return deps
+
+
 def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
-    """Bucketed ALL_REDUCE per replicated group (once per step, after the bucket's last backward),
-    tied-gradient SEND/RECV to the other holders, and one UPDATE per device group."""
+    """Bucketed gradient reduction per replicated group (once per step, after the bucket's last
+    backward): ALL_REDUCE, or REDUCE_SCATTER for ZeRO-2/3; tied-gradient SEND/RECV to the other
+    holders; the global gradient norm when clipping; one UPDATE per device group, followed for
+    ZeRO-1/2 by the all-gather of the updated parameters."""
     if ctx.forward_only:
         return dag
     writers = _grad_writers(dag)
-    holders = _holders(dag)
+    held = holders(dag)
+    layout = zero_layout(dag, ctx)
+    dag.meta.setdefault("zero", {}).update(layout)
     index = {name: i for i, name in enumerate(dag.nodes)}
     by_group: dict[tuple[int, ...], list[str]] = defaultdict(list)
     for fqn, ws in writers.items():
@@ -148,23 +174,13 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     for group, fqns in by_group.items():
         # Bucket in the order gradients finish: by the position of the last backward writing them.
         fqns.sort(key=lambda f: max(index[w.name] for w in writers[f]))
-        w0 = writers[fqns[0]][0]
         if len(group) > 1:
-            for b, bucket in enumerate(_buckets(fqns, writers)):
-                ar = Node(f"AR.{group_label(group)}.b{b}", Kind.ALL_REDUCE, make_tags({"BUCKET": b}), group,
-                          w0.attr("reduce_stream", "dp"), (), (),
-                          tuple(sorted({"params": tuple(bucket), "purpose": "grad"}.items())))
-                dag.add(ar)
-                for f in bucket:
-                    for w in writers[f]:
-                        dag.add_order(w.name, ar.name)
-                    ready_after[f] = [ar.name]
-                update_deps[group].append(ar.name)
+            update_deps[group] += _reduce_group(dag, group, fqns, writers, layout.get(group), ready_after)
         else:
             for f in fqns:
                 ready_after[f] = [w.name for w in writers[f]]
                 update_deps[group].extend(ready_after[f])
-    for fqn, groups in holders.items():
+    for fqn, groups in held.items():
         if fqn not in writers:
             continue
         src = next(iter({w.devices for w in writers[fqn]}))
@@ -177,17 +193,48 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
             for r in ready_after[fqn]:
                 dag.add_order(r, send.name)
             update_deps[dst].append(recv.name)
+    norm = _insert_grad_norm(dag, ctx, update_deps)
     for group in sorted({n.devices for n in dag.of_kind(Kind.COMPUTE)}):
-        params = sorted(f for f, gs in holders.items() if group in gs and f in writers)
-        params += sorted(f for f in by_group.get(group, []) if f not in params)
-        upd = dag.add(Node(f"UPD.{group_label(group)}", Kind.UPDATE, (), group, "compute", (), (),
-                           (("params", tuple(params)),)))
-        for dep in update_deps[group]:
-            dag.add_order(dep, upd.name)
-        for n in dag.of_kind(Kind.COMPUTE):  # the update rewrites parameters every compute step reads
-            if n.devices == group:
-                dag.add_order(n.name, upd.name)
+        _insert_update(dag, group, held, writers, by_group, layout.get(group), update_deps[group] + norm)
     return dag
+
+
+def _insert_grad_norm(dag: TrainingDAG, ctx: PassContext, update_deps: dict[tuple[int, ...], list[str]]) -> list[str]:
+    """options['clip_grad_norm']: one world all-reduce of the squared gradient norm, after every
+    gradient is final on every group and before any update."""
+    if ctx.clip_grad_norm is None:
+        return []
+    node = dag.add(Node("AR.gradnorm", Kind.ALL_REDUCE, (), ctx.world, NORM_STREAM, (), (),
+                        (("max_norm", ctx.clip_grad_norm), ("purpose", "gradnorm"))))
+    for deps in update_deps.values():
+        for d in deps:
+            dag.add_order(d, node.name)
+    return [node.name]
+
+
+def _insert_update(dag: TrainingDAG, group: tuple[int, ...], held: dict[str, set[tuple[int, ...]]],
+                   writers: dict[str, list[Node]], by_group: dict[tuple[int, ...], list[str]],
+                   z: ZeroGroup | None, deps: list[str]) -> None:
+    params = sorted(f for f, gs in held.items() if group in gs and f in writers)
+    params += sorted(f for f in by_group.get(group, []) if f not in params)
+    # gradient-norm accounting: each gradient counted once in the world (by its writer group)
+    own = tuple(sorted(set(by_group.get(group, ()))))
+    attrs: dict[str, object] = {"params": tuple(params), "norm_params": own}
+    if z is not None:
+        attrs.update(zero=z.level, shards=tuple(b for b, _ in z.buckets))
+    upd = dag.add(Node(f"UPD.{group_label(group)}", Kind.UPDATE, (), group, "compute", (), (),
+                       tuple(sorted(attrs.items()))))
+    for dep in deps:
+        dag.add_order(dep, upd.name)
+    for n in dag.of_kind(Kind.COMPUTE):  # the update rewrites parameters every compute step reads
+        if n.devices == group:
+            dag.add_order(n.name, upd.name)
+    if z is not None and z.level <= 2:  # the updated shards back into every replica's parameters
+        for b, fqns in z.buckets:
+            ag = dag.add(Node(f"AG.{b}", Kind.ALL_GATHER, (), group, z.gather_stream, (), (),
+                              tuple(sorted({"bucket": b, "params": fqns, "zero": z.level,
+                                            "purpose": "param"}.items()))))
+            dag.add_order(upd.name, ag.name)
 
 
 def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
@@ -205,4 +252,4 @@ def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     return dag
 
 
-LOWERING_PASSES = [lower_placement, insert_p2p, insert_grad_sync, insert_loss_reduce]
+LOWERING_PASSES = [lower_placement, insert_p2p, insert_grad_sync, insert_param_gather, insert_loss_reduce]

@@ -46,6 +46,11 @@ class Instr:
             return f"RECV.{n.attr('msg').split('>')[0]}<-r{self.peer}"
         if n.kind is Kind.ALL_REDUCE:
             return f"AR.{n.name.split('.')[-1]}@{n.stream}"
+        if n.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER):
+            abbr = "RS" if n.kind is Kind.REDUCE_SCATTER else "AG"
+            b = n.attr("bucket", n.name).rsplit(".", 1)[-1]
+            where = f">{n.attr('for')}" if n.attr("for") else ""
+            return f"{abbr}.{b}{where}@{n.stream}"
         if n.kind is Kind.UPDATE:
             return "UPD"
         return n.short()
@@ -94,6 +99,11 @@ def _global_order(dag: TrainingDAG) -> list[str]:
         dag.meta["_order"] = dag.topo_order(key=_priority)
         dag.meta["_order_key"] = key
     return dag.meta["_order"]
+
+
+def schedule_order(dag: TrainingDAG) -> list[str]:
+    """The order programs issue the DAG's nodes in (one global topological order)."""
+    return _global_order(dag)
 
 
 def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:

@@ -21,6 +21,7 @@ from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime.groups import GroupRegistry
 from piper_compile.runtime.state import GradBuffers, TrainState
 from piper_compile.runtime.trace import Recorder
+from piper_compile.runtime.zero import reduce_scatter
 
 
 @dataclass
@@ -31,6 +32,7 @@ class StepStats:
     p2p: int = 0
     compute: int = 0
     peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
+    peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
     seconds: float = 0.0
 
 
@@ -67,6 +69,9 @@ class Executor:
         self.stats = StepStats()
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
+        self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight collectives whose owner let go
+        self._max_norm = 0.0
+        self._update = next((i.node for i in program.instrs if i.node.kind is Kind.UPDATE), None)
 
     # -- externals -------------------------------------------------------------------------------
     def _symbols(self, args: list[Any], mb_size: int) -> dict[str, int]:
@@ -109,6 +114,7 @@ class Executor:
         if item is None:
             return
         work, ins, pos = item
+        self._keep.pop(name, None)
         if work is None:
             return
         if self.state.device.type == "cuda":
@@ -151,6 +157,7 @@ class Executor:
         externals: dict[str, Any] = {}  # resolved once per step, not once per use
         key = (mb_size, *sorted(syms.items()))  # every input shape follows from the symbol values
         live = 0
+        gathered = 0
 
         def get(v: str) -> Any:
             x = env.get(v)
@@ -193,13 +200,25 @@ class Executor:
                 self.stats.p2p += 1
             elif n.kind is Kind.ALL_REDUCE:
                 pending[n.name] = (self._all_reduce(ins, loss_sum, result), ins, pos)
+            elif n.kind is Kind.REDUCE_SCATTER:
+                pending[n.name] = (self._reduce_scatter(ins), ins, pos)
+            elif n.kind is Kind.ALL_GATHER:
+                work, views = self._all_gather(ins)
+                env.update(views)
+                gathered += sum(_nbytes(t) for t in views.values())
+                pending[n.name] = (work, ins, pos)
             elif n.kind is Kind.UPDATE:
-                self.state.apply_update(n.attr("params"), self.grads, args, self.joint)
+                grad_sq = result.get("gradnorm")
+                self.state.apply_update(n, self.grads, self.joint, grad_sq, self._max_norm)
             else:
                 raise PiperRuntimeError(f"piper: internal: no runtime for {n.kind}")
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, live)
+            self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, gathered)
             for v in ins.frees:
-                live -= _nbytes(env.pop(v, None))
+                if v.startswith("param:"):
+                    gathered -= _nbytes(env.pop(v, None))
+                else:
+                    live -= _nbytes(env.pop(v, None))
             rec.end(pos, ins, pending.get(n.name))
         for name in list(pending):
             tw = rec.now()
@@ -219,11 +238,41 @@ class Executor:
             holders = n.attr("holders")
             t = loss_sum / (self.m * len(holders)) if self.rank in holders else torch.zeros_like(loss_sum)
             result["loss"] = t
+        elif n.attr("purpose") == "gradnorm":
+            assert self._update is not None and self.grads is not None
+            t = result["gradnorm"] = self.state.local_grad_sq(self._update, self.grads, self.joint, self.rank)
+            self._max_norm = float(n.attr("max_norm"))
         else:
-            t = self.grads.bucket(n.name)
+            t = self.grads.bucket(n.attr("bucket"))
         if len(n.devices) == 1:
             return None
         return dist.all_reduce(t, group=self.groups.get(n.stream, n.devices), async_op=True)
+
+    def _reduce_scatter(self, ins: Instr) -> Any:
+        """ZeRO-2/3: the bucket's summed gradient, this rank's shard only; the full buffer is released."""
+        n = ins.node
+        self.stats.collectives["grad"] = self.stats.collectives.get("grad", 0) + 1
+        assert self.state.zero is not None and self.grads is not None
+        b = n.attr("bucket")
+        full = self.grads.bucket(b)
+        out = self.state.zero.shard_grad(b, None)
+        self._keep[n.name] = full  # alive until the reduce-scatter completes
+        self.grads.release(b)
+        return reduce_scatter(out, full, self.groups.get(n.stream, n.devices))
+
+    def _all_gather(self, ins: Instr) -> tuple[Any, dict[str, torch.Tensor]]:
+        """ZeRO parameter all-gather: before a compute step (ZeRO-3; its parameters become values of
+        that step) or after the update (ZeRO-1/2; into the full flat parameters)."""
+        n = ins.node
+        self.stats.collectives["param"] = self.stats.collectives.get("param", 0) + 1
+        zero = self.state.zero
+        assert zero is not None
+        group = self.groups.get(n.stream, n.devices)
+        if not n.attr("for"):
+            return zero.post_update_gather(n.attr("bucket"), group), {}
+        flat, work = zero.gather(n.attr("bucket"), group)
+        views = zero.buckets[n.attr("bucket")].views(flat)
+        return work, {v: views[v[len("param:"):].split("#", 1)[0]] for v in n.outputs}
 
     def _group(self, ins: Instr) -> Any:
         return self.groups.get(ins.group_name(self.rank), tuple(range(dist.get_world_size())))

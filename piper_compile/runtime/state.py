@@ -10,62 +10,98 @@ import torch.distributed as dist
 from torch import nn
 
 from piper_compile.capture.joint import JointGraph
+from piper_compile.errors import PiperError
 from piper_compile.ir.dag import Kind
 from piper_compile.plan.program import Program
+from piper_compile.runtime.zero import Layout, ZeroState
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class GradBuffers:
-    """Per-rank gradient storage: one flat tensor per all-reduce bucket, one tensor per other gradient."""
+    """Per-rank gradient storage: one flat tensor per reduction bucket (padded to a multiple of the group
+    for ZeRO buckets), one tensor per other gradient. Reduce-scattered buckets (ZeRO-2/3) are allocated at
+    their first gradient in a step and released once reduce-scattered."""
 
-    def __init__(self, params: dict[str, nn.Parameter], buckets: dict[str, list[str]], others: list[str]) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], buckets: dict[str, tuple[list[str], int, bool]],
+                 others: list[str]) -> None:
+        self.params = params
         self.flat: dict[str, torch.Tensor] = {}
         self.views: dict[str, torch.Tensor] = {}
-        for name, fqns in buckets.items():
-            p0 = params[fqns[0]]
-            flat = torch.zeros(sum(params[f].numel() for f in fqns), dtype=p0.dtype, device=p0.device)
-            off = 0
-            for f in fqns:
-                n = params[f].numel()
-                self.views[f] = flat[off : off + n].view(params[f].shape)
-                off += n
-            self.flat[name] = flat
+        self.lazy: dict[str, tuple[list[str], int]] = {}
+        self.lazy_of: dict[str, str] = {}
+        for name, (fqns, padded, lazy) in buckets.items():
+            if lazy:
+                self.lazy[name] = (fqns, padded)
+                self.lazy_of.update({f: name for f in fqns})
+            else:
+                self._allocate(name, fqns, padded)
         for f in others:
-            if f not in self.views:
+            if f not in self.views and f not in self.lazy_of:
                 self.views[f] = torch.zeros_like(params[f], memory_format=torch.contiguous_format)
                 self.flat[f"grad:{f}"] = self.views[f]
 
+    def _allocate(self, name: str, fqns: list[str], padded: int) -> torch.Tensor:
+        p0 = self.params[fqns[0]]
+        total = sum(self.params[f].numel() for f in fqns)
+        flat = torch.zeros(max(total, padded), dtype=p0.dtype, device=p0.device)
+        off = 0
+        for f in fqns:
+            n = self.params[f].numel()
+            self.views[f] = flat[off : off + n].view(self.params[f].shape)
+            off += n
+        self.flat[name] = flat
+        return flat
+
     @classmethod
     def for_program(cls, program: Program, joint: JointGraph) -> "GradBuffers":
-        buckets: dict[str, list[str]] = {}
+        buckets: dict[str, tuple[list[str], int, bool]] = {}
         others: list[str] = []
         for ins in program.instrs:
             n = ins.node
-            if n.kind is Kind.ALL_REDUCE and n.attr("purpose") == "grad":
-                buckets[n.name] = list(n.attr("params"))
+            if n.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER) and n.attr("purpose") == "grad":
+                fqns = list(n.attr("params"))
+                total = sum(joint.params[f].numel() for f in fqns)
+                padded = -(-total // len(n.devices)) * len(n.devices) if n.attr("zero", 0) else total
+                buckets[n.attr("bucket")] = (fqns, padded, n.kind is Kind.REDUCE_SCATTER)
             elif n.kind is Kind.COMPUTE:
                 others += [fqn for _, fqn in n.attr("grads") or ()]
             elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
                 others.append(n.attr("state"))
             elif n.kind is Kind.UPDATE:
-                others += list(n.attr("params"))
+                others += [f for f in n.attr("params")]
         return cls(joint.params, buckets, others)
 
     def zero_(self) -> None:
+        for name in self.lazy:
+            self.release(name)
         for t in self.flat.values():
             t.zero_()
 
+    def release(self, name: str) -> None:
+        """Drop a reduce-scattered bucket's full buffer (its shard lives on in the ZeRO state)."""
+        if self.flat.pop(name, None) is not None:
+            for f in self.lazy[name][0]:
+                self.views.pop(f, None)
+
     def accumulate(self, fqn: str, grad: torch.Tensor) -> None:
-        self.views[fqn].add_(grad)
+        v = self.views.get(fqn)
+        if v is None:
+            self.bucket(self.lazy_of[fqn])
+            v = self.views[fqn]
+        v.add_(grad)
 
     def view(self, fqn: str) -> torch.Tensor:
         return self.views[fqn]
 
     def bucket(self, name: str) -> torch.Tensor:
-        return self.flat[name]
+        flat = self.flat.get(name)
+        if flat is None:
+            flat = self._allocate(name, *self.lazy[name])
+        return flat
 
     def nbytes(self) -> int:
+        """Bytes of gradient buffers held now (between steps: the persistent ones)."""
         return sum(t.numel() * t.element_size() for t in self.flat.values())
 
 
@@ -79,13 +115,66 @@ class TrainState:
         self.broadcast_done = False
         self.steps: list[Any] = []  # the CompiledSteps (grad / no-grad variants) of this model
         self.device = params[0].device if params else torch.device("cpu")
+        self.zero: ZeroState | None = None
+        self.named: dict[str, nn.Parameter] = {}
+        self.hooks_installed = False
+
+    # -- ZeRO --------------------------------------------------------------------------------------
+    def ensure_zero(self, layout: Layout, named: dict[str, nn.Parameter], rank: int) -> None:
+        """Adopt this rank's shard layout (the first plan sets it; every later plan must agree)."""
+        if not layout:
+            return
+        if self.zero is None:
+            self.named = named
+            self.zero = ZeroState.build(layout, named, rank)
+            return
+        have = {k: (b.fqns, b.devices, b.level, b.stream) for k, b in self.zero.buckets.items()}
+        if have != layout:
+            raise PiperError("piper: internal: the training and forward-only programs disagree on the ZeRO "
+                             f"shard layout ({sorted(have)} vs {sorted(layout)})")
+
+    def shard(self) -> None:
+        """Move parameters into the shard layout (after rank 0's weights were broadcast); once."""
+        if self.zero is None or self.zero.sharded:
+            return
+        self.zero.shard_(self.named)
+        if self.optimizer is not None:
+            self._rewire_optimizer(self.optimizer)
+
+    def gather_zero(self, groups: Any) -> dict[str, torch.Tensor]:
+        """Full copies of every sharded parameter of this rank's group (collective over the group)."""
+        assert self.zero is not None
+        return self.zero.gather_full(groups)
+
+    def _optimizer_params(self) -> list[nn.Parameter]:
+        if self.zero is None or not self.zero.sharded:
+            return list(self.params)
+        sharded = {f for b in self.zero.buckets.values() for f in b.fqns}
+        shards = [b.shard for b in self.zero.buckets.values()]
+        return [p for p in shards if p is not None] + [p for f, p in self.named.items() if f not in sharded]
+
+    def _rewire_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer made before sharding (piper.optimizer(step) before the first call) now updates
+        the shards instead of the full parameters."""
+        if len(opt.param_groups) != 1:
+            raise PiperError(f"piper: ZeRO flattens parameters into per-bucket shards, so the optimizer must have "
+                             f"one parameter group; options['optimizer'] made {len(opt.param_groups)}. Use one group "
+                             "(per-group settings such as no weight decay on biases are not supported with zero>0)")
+        if any(opt.state.values()):
+            raise PiperError("piper: the optimizer already has state from steps on the full parameters; create it "
+                             "through options['optimizer'] and let piper step it")
+        opt.param_groups[0]["params"] = self._optimizer_params()
+        opt.state.clear()
 
     def get_optimizer(self) -> torch.optim.Optimizer | None:
         if self.optimizer is None and self.factory is not None:
-            self.optimizer = self.factory(self.params)
-            if not isinstance(self.optimizer, torch.optim.Optimizer):
+            opt = self.factory(self._optimizer_params())
+            if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"piper: options['optimizer'] must return a torch.optim.Optimizer, got "
-                                f"{type(self.optimizer).__name__}; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
+                                f"{type(opt).__name__}; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
+            if self.zero is not None and self.zero.sharded and len(opt.param_groups) != 1:
+                self._rewire_optimizer(opt)  # raises the one-group error
+            self.optimizer = opt
         return self.optimizer
 
     def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
@@ -98,19 +187,52 @@ class TrainState:
                     dist.broadcast(t.detach(), src=0)
         self.broadcast_done = True
 
-    def apply_update(self, fqns: Iterable[str], grads: GradBuffers, args: list[Any], joint: JointGraph) -> None:
-        """The optimizer step for this rank's parameters, or the gradients into ``param.grad``."""
+    # -- the update ------------------------------------------------------------------------------
+    def _grad_pairs(self, node: Any, grads: GradBuffers, joint: JointGraph) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        shards = node.attr("shards") or ()
+        sharded = {f for b in shards for f in self.zero.buckets[b].fqns} if self.zero is not None else set()
+        pairs = [(joint.params[f], grads.view(f)) for f in node.attr("params") if f not in sharded]
+        for b in shards:
+            bk = self.zero.buckets[b]  # type: ignore[union-attr]
+            full = grads.bucket(b) if bk.level == 1 else None
+            pairs.append((bk.shard, self.zero.shard_grad(b, full)))  # type: ignore[union-attr]
+        return pairs
+
+    def local_grad_sq(self, node: Any, grads: GradBuffers, joint: JointGraph, rank: int) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm: every gradient counted once in the
+        world (shards by their owner, whole gradients by the first rank of the group that wrote them)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        own = set(node.attr("norm_params") or ())
+        shards = node.attr("shards") or ()
+        sharded = {f for b in shards for f in self.zero.buckets[b].fqns} if self.zero is not None else set()
+        if rank == node.devices[0]:
+            for f in sorted(own - sharded):
+                total += grads.view(f).float().pow(2).sum()
+        for b in shards:
+            bk = self.zero.buckets[b]  # type: ignore[union-attr]
+            full = grads.bucket(b) if bk.level == 1 else None
+            total += self.zero.shard_grad(b, full).float().pow(2).sum()  # type: ignore[union-attr]
+        return total
+
+    def apply_update(self, node: Any, grads: GradBuffers, joint: JointGraph,
+                     grad_sq: torch.Tensor | None = None, max_norm: float = 0.0) -> None:
+        """The optimizer step for this rank's parameters (or shards), or the gradients into ``param.grad``.
+        ``grad_sq``: the global squared gradient norm when clipping to ``max_norm``."""
         opt = self.get_optimizer()
-        params = [(joint.params[f], grads.view(f)) for f in fqns]
+        pairs = self._grad_pairs(node, grads, joint)
         if opt is None:
-            for p, g in params:  # as torch would leave them: accumulate into .grad
+            for p, g in pairs:  # as torch would leave them: accumulate into .grad
                 if p.grad is None:
                     p.grad = g.detach().clone()
                 else:
                     p.grad.add_(g)
             return
-        for p, g in params:
-            p.grad = g
+        if grad_sq is not None:
+            coef = (max_norm / (grad_sq.sqrt() + 1e-6)).clamp(max=1.0)
+            for _, g in pairs:
+                g.mul_(coef.to(g.dtype))
+        for p, g in pairs:
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         opt.step()
-        for p, _ in params:
+        for p, _ in pairs:
             p.grad = None

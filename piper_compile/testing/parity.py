@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from piper_compile.ir.dag import Kind
 from piper_compile.testing.models import build_model
 
 
@@ -87,13 +86,13 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
             eval_loss = step(*local).item()
     cs = piper.compiled_steps(step)[0]
     program = cs.plans[False].programs[rank]
-    owned_names = {f for i in program.instrs if i.node.kind is Kind.UPDATE for f in i.node.attr("params")}
+    values = piper.trained_parameters(step)  # ZeRO shards gathered
     by_id = {id(p): f for f, p in cs.joint.params.items()}
     params = list(model.parameters())
-    owned = {k: p.detach().cpu().clone() for k, p in enumerate(params) if by_id.get(id(p)) in owned_names}
+    owned = {k: values[by_id[id(p)]].cpu() for k, p in enumerate(params) if by_id.get(id(p)) in values}
     stats = piper.last_stats(step)
     return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
-            "collectives": dict(stats.collectives), "p2p": stats.p2p,
+            "collectives": dict(stats.collectives), "p2p": stats.p2p, "stats": stats,
             "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback)}
 
 

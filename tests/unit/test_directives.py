@@ -234,9 +234,15 @@ def test_zero_wrong_type(zero: Any) -> None:
     assert "'zero'" in _error({"op": "replicate", "filter": {}, "zero": zero})
 
 
-@pytest.mark.parametrize("raw", [{"zero": 1}, {"zero": 3}, {"shard_grads": True}, {"shard_params": True}])
-def test_sharded_zero_stages_say_not_built_yet(raw: dict) -> None:
-    assert "not built yet" in _error({"op": "replicate", "filter": {}, **raw})
+@pytest.mark.parametrize("raw,zero", [({"zero": 1}, 1), ({"zero": 3}, 3), ({"shard_grads": True}, 2),
+                                      ({"shard_params": True}, 3), ({"zero": 1, "shard_grads": True}, 2)])
+def test_prototype_shard_flags_map_to_zero_stages(raw: dict, zero: int) -> None:
+    (d,) = parse_directives([{"op": "replicate", "filter": {}, **raw}])
+    assert d.zero == zero
+
+
+def test_negative_prefetch() -> None:
+    assert "prefetch must be >= 0" in _error({"op": "replicate", "filter": {}, "zero": 3, "prefetch": -1})
 
 
 def test_negative_rank() -> None:

@@ -1,0 +1,113 @@
+"""ZeRO lowering: the shard layout of every ZeRO group, and (ZeRO-3) the parameter all-gathers placed
+before each compute step that reads sharded parameters.
+
+Layout: a ZeRO group's parameters are cut into the same buckets as gradient reduction (one per
+backward chunk, in the order gradients finish), so reduce-scatter, the sharded update and the
+all-gather all work on one flat buffer per bucket. Parameters also used by another device group
+(tied weights across pipeline stages) stay whole and are all-reduced: their gradient is shared
+between groups and they are not sharded.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.passes.context import PassContext
+
+PARAM = "param:"
+
+
+def group_label(devices: tuple[int, ...]) -> str:
+    return "r" + "_".join(map(str, devices))
+
+
+@dataclass
+class ZeroGroup:
+    """The ZeRO settings and shard buckets of one replicated device group."""
+
+    devices: tuple[int, ...]
+    level: int
+    gather_stream: str
+    prefetch: int
+    buckets: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (bucket name, fqns)
+    whole: list[str] = field(default_factory=list)  # params of the group kept unsharded (tied)
+
+    def bucket_of(self) -> dict[str, str]:
+        return {f: b for b, fqns in self.buckets for f in fqns}
+
+
+def holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
+    """Device groups that read each parameter."""
+    out: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for n in dag.of_kind(Kind.COMPUTE):
+        for v in n.inputs:
+            if v.startswith(PARAM):
+                out[v[len(PARAM):].split("#", 1)[0]].add(n.devices)
+    return out
+
+
+def zero_layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGroup]:
+    """Shard buckets of every group replicated with zero >= 1 over more than one rank; the same in the
+    training and the forward-only DAG (it is derived from the segments, not from the backward nodes)."""
+    by_region: dict[object, Node] = {}
+    for n in dag.of_kind(Kind.COMPUTE):
+        if n.attr("zero", 0) and len(n.devices) > 1:
+            by_region.setdefault(ctx.segments[n.attr("segment")].region, n)
+    if not by_region:
+        return {}
+    held = holders(dag)
+    groups: dict[tuple[int, ...], ZeroGroup] = {}
+    for seg in ctx.segments.values():
+        n = by_region.get(seg.region)
+        if n is None or seg.pass_ not in ("B", "BW") or not seg.grads:
+            continue
+        g = groups.setdefault(n.devices, ZeroGroup(n.devices, n.attr("zero"), n.attr("gather_stream", "dp_gather"),
+                                                   n.attr("prefetch", 1)))
+        fqns = [f for _, f in seg.grads]
+        g.whole += [f for f in fqns if len(held.get(f, ())) > 1]
+        sharded = tuple(f for f in fqns if len(held.get(f, ())) <= 1)
+        if sharded:
+            g.buckets.append((f"{group_label(n.devices)}.b{len(g.buckets)}", sharded))
+    return groups
+
+
+def _compute_order(dag: TrainingDAG) -> list[Node]:
+    from piper_compile.plan.program import schedule_order
+
+    return [dag.nodes[name] for name in schedule_order(dag) if dag.nodes[name].kind is Kind.COMPUTE]
+
+
+def insert_param_gather(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
+    """ZeRO-3: before every compute step that reads sharded parameters, one ALL_GATHER per bucket it
+    reads, issued ``prefetch`` compute steps earlier on the same ranks; the gathered parameters are
+    values of that step alone, so the runtime frees them right after it (resharding between
+    micro-batches: peak parameter memory is a few buckets, not the stage)."""
+    layout = {g: z for g, z in zero_layout(dag, ctx).items() if z.level >= 3}
+    if not layout:
+        return dag
+    dag.meta.setdefault("zero", {}).update(layout)
+    order = _compute_order(dag)
+    for group, z in layout.items():
+        bucket_of = z.bucket_of()
+        fqns_of = dict(z.buckets)
+        steps = [n for n in order if n.devices == group]
+        for i, n in enumerate(steps):
+            needed: dict[str, list[str]] = defaultdict(list)
+            for v in n.inputs:
+                if v.startswith(PARAM) and v[len(PARAM):] in bucket_of:
+                    needed[bucket_of[v[len(PARAM):]]].append(v[len(PARAM):])
+            if not needed:
+                continue
+            rename = {}
+            for b in sorted(needed, key=lambda b: int(b.rsplit(".b", 1)[1])):
+                outs = tuple(f"{PARAM}{f}#{n.name}" for f in needed[b])
+                rename.update({f"{PARAM}{f}": o for f, o in zip(needed[b], outs)})
+                ag = dag.add(Node(f"AG.{b}@{n.name}", Kind.ALL_GATHER, n.tags, group, z.gather_stream, (), outs,
+                                  tuple(sorted({"bucket": b, "params": fqns_of[b], "zero": z.level,
+                                                "purpose": "param", "for": n.name}.items()))))
+                at = i - 1 - z.prefetch
+                if at >= 0:
+                    dag.add_order(steps[at].name, ag.name)
+            dag.replace(n.with_(inputs=tuple(rename.get(v, v) for v in n.inputs)))
+    return dag

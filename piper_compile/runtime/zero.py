@@ -1,0 +1,219 @@
+"""ZeRO state of one rank: per shard bucket a flat buffer padded to a multiple of the group size, this
+rank's shard of it (the parameter the optimizer updates, fp32 for low-precision models), the sharded
+gradient (ZeRO-2/3) and, for ZeRO-1/2, the full flat parameter buffer that the model's parameters
+are views of. Under ZeRO-3 the model's parameters keep their shapes but their storage is freed:
+the runtime all-gathers a bucket into a temporary buffer for each compute step that reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from piper_compile.errors import PiperError
+from piper_compile.ir.dag import Kind
+from piper_compile.plan.program import Program
+
+Layout = dict[str, tuple[tuple[str, ...], tuple[int, ...], int, str]]  # bucket -> (fqns, devices, level, stream)
+
+# all_gather_single / reduce_scatter_single replace the *_tensor names in newer torch (>= 2.13)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    return _all_gather(out, inp, group=group, async_op=True)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    return _reduce_scatter(out, inp, group=group, async_op=True)
+
+
+def layout_of(program: Program) -> Layout:
+    """The shard buckets this rank takes part in, read from its program's parameter all-gathers (every
+    ZeRO bucket has one: after the update for ZeRO-1/2, before each use for ZeRO-3)."""
+    out: Layout = {}
+    for ins in program.instrs:
+        n = ins.node
+        if n.kind is Kind.ALL_GATHER and n.attr("zero", 0) > 0:
+            out[n.attr("bucket")] = (tuple(n.attr("params")), n.devices, n.attr("zero"), n.stream)
+    return out
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass
+class ShardBucket:
+    """One flat bucket of a ZeRO group as seen by one rank."""
+
+    name: str
+    fqns: tuple[str, ...]
+    devices: tuple[int, ...]
+    level: int
+    stream: str  # the gather stream (its process group also serves state_dict / checkpoint gathers)
+    index: int  # this rank's position in the group
+    shapes: list[torch.Size]
+    offsets: list[int]
+    total: int
+    dtype: torch.dtype
+    device: torch.device
+    shard: nn.Parameter | None = None
+    grad_shard: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # ZeRO-1/2: full flat parameters (the model's parameters are views)
+
+    @property
+    def world(self) -> int:
+        return len(self.devices)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.total // self.world) * self.world
+
+    @property
+    def shard_len(self) -> int:
+        return self.padded // self.world
+
+    def shard_range(self) -> tuple[int, int]:
+        return self.index * self.shard_len, (self.index + 1) * self.shard_len
+
+    def views(self, flat: torch.Tensor, fqns: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        want = set(self.fqns if fqns is None else fqns)
+        return {f: flat[o:o + s.numel()].view(s) for f, o, s in zip(self.fqns, self.offsets, self.shapes) if f in want}
+
+    def local_pieces(self) -> list[tuple[str, int, int, int]]:
+        """(fqn, start in the flattened parameter, start in the shard, length) of what this shard holds."""
+        lo, hi = self.shard_range()
+        out = []
+        for f, o, s in zip(self.fqns, self.offsets, self.shapes):
+            a, b = max(lo, o), min(hi, o + s.numel())
+            if a < b:
+                out.append((f, a - o, a - lo, b - a))
+        return out
+
+
+@dataclass
+class ZeroState:
+    """Every shard bucket of this rank; built once per model, before its first step."""
+
+    buckets: dict[str, ShardBucket] = field(default_factory=dict)
+    sharded: bool = False
+
+    @classmethod
+    def build(cls, layout: Layout, params: dict[str, nn.Parameter], rank: int) -> "ZeroState":
+        st = cls()
+        for name, (fqns, devices, level, stream) in layout.items():
+            ps = [params[f] for f in fqns]
+            dtypes = {p.dtype for p in ps}
+            if len(dtypes) > 1:
+                raise PiperError(f"piper: ZeRO bucket {name} mixes parameter dtypes {sorted(map(str, dtypes))} "
+                                 f"({', '.join(fqns[:4])}...); give every parameter of a replicated region one dtype")
+            offsets, off = [], 0
+            for p in ps:
+                offsets.append(off)
+                off += p.numel()
+            st.buckets[name] = ShardBucket(name, tuple(fqns), tuple(devices), level, stream, devices.index(rank),
+                                           [p.shape for p in ps], offsets, off, ps[0].dtype, ps[0].device)
+        return st
+
+    def level_of(self) -> dict[str, int]:
+        return {f: b.level for b in self.buckets.values() for f in b.fqns}
+
+    def shard_(self, params: dict[str, nn.Parameter]) -> None:
+        """Move the (already identical) parameters into the sharded layout; once."""
+        if self.sharded:
+            return
+        with torch.no_grad():
+            for b in self.buckets.values():
+                flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                for f, v in b.views(flat).items():
+                    v.copy_(params[f].detach())
+                lo, hi = b.shard_range()
+                if b.level >= 2:
+                    b.grad_shard = torch.zeros(b.shard_len, dtype=b.dtype, device=b.device)
+                if b.level <= 2:
+                    b.flat = flat
+                    for f, v in b.views(flat).items():
+                        params[f].data = v
+                    shard = flat[lo:hi] if master_dtype(b.dtype) == b.dtype else flat[lo:hi].to(master_dtype(b.dtype))
+                else:
+                    shard = flat[lo:hi].to(master_dtype(b.dtype), copy=True)
+                    for f in b.fqns:
+                        free_storage(params[f])
+                b.shard = nn.Parameter(shard, requires_grad=True)
+        self.sharded = True
+
+    # -- gathering -------------------------------------------------------------------------------
+    def gather_input(self, b: ShardBucket) -> torch.Tensor:
+        assert b.shard is not None
+        return b.shard.detach().to(b.dtype)
+
+    def post_update_gather(self, name: str, group: Any) -> Any:
+        """ZeRO-1/2: the updated shard into every replica's full flat parameters."""
+        b = self.buckets[name]
+        assert b.flat is not None and b.shard is not None
+        lo, hi = b.shard_range()
+        if b.shard.data_ptr() != b.flat[lo:hi].data_ptr():
+            b.flat[lo:hi].copy_(b.shard.detach())
+        return all_gather(b.flat, b.flat[lo:hi], group)
+
+    def gather(self, name: str, group: Any) -> tuple[torch.Tensor, Any]:
+        """ZeRO-3: a fresh full flat buffer of the bucket (async); the caller takes views of it."""
+        b = self.buckets[name]
+        out = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+        return out, all_gather(out, self.gather_input(b), group)
+
+    def gather_full(self, groups: Any) -> dict[str, torch.Tensor]:
+        """Every parameter of this rank's buckets as a full tensor (blocking; collective over each group)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, b in self.buckets.items():
+            flat = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+            all_gather(flat, self.gather_input(b), groups.get(b.stream, b.devices)).wait()
+            out.update({f: v.clone() for f, v in b.views(flat).items()})
+        return out
+
+    # -- gradients -------------------------------------------------------------------------------
+    def shard_grad(self, name: str, full_grad: torch.Tensor | None) -> torch.Tensor:
+        """This rank's gradient shard: the reduce-scattered one (ZeRO-2/3) or its slice of the
+        all-reduced full gradient (ZeRO-1)."""
+        b = self.buckets[name]
+        if b.level >= 2:
+            assert b.grad_shard is not None
+            return b.grad_shard
+        assert full_grad is not None
+        lo, hi = b.shard_range()
+        return full_grad[lo:hi]
+
+    def nbytes(self) -> dict[str, int]:
+        """Persistent bytes of this rank's ZeRO buffers (parameters and gradient shards)."""
+        params = sum(_nb(b.flat) if b.flat is not None else _nb(b.shard) for b in self.buckets.values())
+        extra_master = sum(_nb(b.shard) for b in self.buckets.values()
+                           if b.flat is not None and b.shard is not None and master_dtype(b.dtype) != b.dtype)
+        grads = sum(_nb(b.grad_shard) for b in self.buckets.values())
+        return {"params": params + extra_master, "grad_shards": grads}
+
+
+def _nb(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def free_storage(p: torch.Tensor) -> None:
+    """Release a parameter's memory while keeping its shape (ZeRO-3): the storage is resized to 0."""
+    st = p.untyped_storage()
+    if p.storage_offset() != 0 or st.nbytes() != p.numel() * p.element_size():
+        p.data = p.data.clone()  # shares storage with something else: give it its own first
+        st = p.untyped_storage()
+    st.resize_(0)
+
+
+def restore_storage(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Give a ZeRO-3 parameter its full data back (for state_dict / load_state_dict)."""
+    st = p.untyped_storage()
+    if st.nbytes() == 0:
+        st.resize_(p.numel() * p.element_size())
+    with torch.no_grad():
+        p.copy_(value)
