@@ -1,0 +1,237 @@
+"""ZeRO-1/2/3: piper ``replicate(zero=N)`` vs the PyTorch-native peer of each stage.
+
+    zero1  piper replicate(zero=1)  vs  DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
+    zero2  piper replicate(zero=2)  vs  FSDP2 fully_shard(..., reshard_after_forward=False)
+    zero3  piper replicate(zero=3)  vs  FSDP2 fully_shard(..., reshard_after_forward=True)
+   (zero0  piper replicate()        vs  DDP + AdamW, with --baseline)
+
+Same GPT as ``bench_dp.py`` (``piper_compile.testing.models.GPT`` via ``common.build_gpt``: tied embedding,
+same seed and weights on every rank), AdamW, same local batch per rank, same synthetic batches, gloo on CPU
+with 1 thread per rank (``OMP_NUM_THREADS=1``), every variant in freshly spawned processes. One piper call is
+one training step; the peers do ``loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()``.
+FSDP2 is applied as torchtitan does: ``fully_shard`` on every transformer block, then on the root (which then
+holds the embeddings, the tied head, ln_f).
+
+Per pair one line ``zeroN  piper X ms  peer Y ms  ratio piper/peer Z  peakRSS piper A MiB peer B MiB`` (median
+of the slowest rank's step time over the timed steps after warm-up, see ``common.py``; peak RSS is the
+largest rank's ``ru_maxrss``), followed by the tensor-level figures per rank (max over ranks):
+
+* ``state``: tensor bytes reachable between two steps (params + persistent grads + optimizer state + buffers);
+* ``peak``: that + the CPU allocator's net high-water during one step (``torch.profiler`` memory events).
+
+Both are defined precisely in ``zero_common.py``. Peak RSS also counts Inductor/Dynamo compilation (piper
+compiles its segments with Inductor, the peers run eagerly), so compare memory on ``state``/``peak``.
+
+Peer configuration notes (torch 2.13, CPU, gloo; checked by ``benchmarks/check_fsdp_cpu.py``):
+
+* FSDP2 (``torch.distributed.fsdp.fully_shard``) works on CPU over gloo with a 1-D ``init_device_mesh("cpu",
+  (world,))``: per-step losses equal single-process training on the global batch. Nothing had to be changed.
+* FSDP2 has no exact ZeRO-2. ``reshard_after_forward=False`` keeps each group's parameters unsharded from its
+  forward through its backward (no second all-gather) and reduce-scatters gradients, but still reshards them
+  after backward, so between steps it holds only parameter shards (true ZeRO-2 keeps full parameters).
+  ``set_reshard_after_backward(False)`` is not a substitute: the next forward would skip the all-gather and
+  read stale parameters (it exists for gradient accumulation within one step). So ``zero2`` vs FSDP2 differs
+  in what is persistent; compare the ``peak`` column, where both hold full parameters during the step.
+* The root module is never resharded after forward by FSDP2 (it is needed first in backward) even with
+  ``reshard_after_forward=True``.
+* DDP uses ``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)`` (its grads stay views of its
+  buckets, so the ``state`` figure sees them); the FSDP2 peers use ``zero_grad()`` (set_to_none).
+
+piper's bucket size: ``--bucket-mb`` (default 25 MB for zero1, as DDP's ``bucket_cap_mb``; for zero2/3 the
+parameter MiB of one transformer block, 3.02 for dim 256, so piper gathers and reduce-scatters in the same
+units as FSDP2 applied per block; with one 25 MB bucket the whole 13 MiB model is a single unit and a ZeRO-3
+step gathers all of it at once).
+
+``--only-peers`` runs just the peers; without it, a piper failure (e.g. the directive not implemented yet)
+prints the error and the peers' numbers still print.
+
+    python benchmarks/bench_zero.py --only-peers --steps 5 --warmup 2           # peers only, world 2
+    python benchmarks/bench_zero.py --world 2 4                                  # piper + peers
+    python benchmarks/bench_zero.py --zero 3 --codegen eager --bucket-mb 4 --prefetch 1
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
+                    global_batches, load_note, timed_loop)
+from zero_common import (block_mib, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
+                         state_breakdown, tensor_peak)
+
+from piper_compile.testing.launch import run_local  # noqa: E402
+
+PEER_NAMES = {0: "DDP+AdamW", 1: "DDP+ZeroRedundancyOptimizer", 2: "FSDP2 reshard_after_forward=False",
+              3: "FSDP2 reshard_after_forward=True"}
+
+
+def _local(batches: list[tuple[torch.Tensor, torch.Tensor]], i: int, rank: int, n: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batches[i % len(batches)]
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _finish(res: RankResult, run: Any, params: list[torch.nn.Parameter], opt: Any, spec: Spec, mem: bool) -> None:
+    """After the timed steps: the between-steps breakdown, then two profiled steps for the tensor peak."""
+    res.extra["state_breakdown"] = state_breakdown(params, opt)
+    if mem:
+        res.extra.update(tensor_peak(run, spec.warmup + spec.steps))
+
+
+def piper_worker(rank: int, world: int, spec: Spec, zero: int, bucket_mb: float, prefetch: int,
+                 mem: bool) -> RankResult:
+    import piper_compile as piper  # noqa: F401 - registers the backend
+
+    model = build_gpt(spec)
+    batches = global_batches(model, spec, world * spec.batch)
+    directive = piper_replicate(None, zero, bucket_mb, prefetch)
+    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
+                         options={"directives": [directive], "codegen": spec.codegen,
+                                  "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)})
+
+    def run(i: int) -> torch.Tensor:
+        return step(*_local(batches, i, rank, spec.batch))
+
+    res = timed_loop(run, spec)
+    res.extra = piper_extra(step)
+    _finish(res, run, list(model.parameters()), piper_optimizer(step), spec, mem)
+    return res
+
+
+def peer_worker(rank: int, world: int, spec: Spec, zero: int, mem: bool) -> RankResult:
+    model = build_gpt(spec)
+    batches = global_batches(model, spec, world * spec.batch)
+    adamw = functools.partial(torch.optim.AdamW, lr=spec.lr)
+    if zero <= 1:
+        net: torch.nn.Module = DDP(model, gradient_as_bucket_view=True)  # broadcasts rank 0's weights
+        if zero == 0:
+            opt: Any = adamw(net.parameters())
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=spec.lr)
+        set_to_none = False
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:  # torchtitan: every transformer block, then the root
+            fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
+        fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3)
+        net, opt, set_to_none = model, adamw(model.parameters()), True
+
+    def run(i: int) -> torch.Tensor:
+        loss = net(*_local(batches, i, rank, spec.batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return loss
+
+    res = timed_loop(run, spec)
+    mean = torch.tensor(res.losses)
+    dist.all_reduce(mean)  # after timing: the global mean loss per step, as piper returns it
+    res.losses = (mean / world).tolist()
+    _finish(res, run, list(model.parameters()), opt, spec, mem)
+    return res
+
+
+def _mem(ranks: list[RankResult], key: str) -> str:
+    vals = [r.extra.get(key, float("nan")) for r in ranks]
+    return f"{max(vals):.1f}" if vals and all(v == v for v in vals) else "n/a"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--world", type=int, nargs="+", default=[2], help="gloo ranks (one process each), e.g. 2 4")
+    p.add_argument("--zero", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3], help="ZeRO stages to run")
+    p.add_argument("--baseline", action="store_true", help="also zero0: piper replicate() vs DDP+AdamW")
+    p.add_argument("--only-peers", action="store_true", help="run only the PyTorch peers (no piper)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="piper replicate(bucket_mb=...); default: 25 (DDP's bucket_cap_mb) for zero0/1, one "
+                        "transformer block's parameter MiB for zero2/3 (FSDP2's unit, fully_shard per block)")
+    p.add_argument("--prefetch", type=int, default=1, help="piper replicate(prefetch=...) (zero=3)")
+    p.add_argument("--no-mem", action="store_true", help="skip the two profiled steps (tensor peak)")
+    args = p.parse_args()
+    spec = Spec.from_args(args)
+    mem = not args.no_mem
+    stages = ([0] if args.baseline else []) + sorted(set(args.zero))
+    block_mb = round(block_mib(spec), 2)
+    bucket_of = {z: args.bucket_mb if args.bucket_mb is not None else (25.0 if z <= 1 else block_mb) for z in stages}
+    print(f"bench_zero: {spec.describe()}, {os.cpu_count()} CPU cores; piper bucket_mb by stage "
+          f"{ {f'zero{z}': round(b, 2) for z, b in bucket_of.items()} } "
+          f"prefetch={args.prefetch}{' (PEERS ONLY)' if args.only_peers else ''}", flush=True)
+    print(f"before: {load_note()}")
+    lines: list[str] = []
+    details: list[str] = []
+    for world in args.world:
+        peer_losses: dict[int, list[float]] = {}
+        for zero in stages:
+            peer = PEER_NAMES[zero]
+            print(f"  running world {world} zero{zero}: {peer} ...", flush=True)
+            theirs = best_of(args.rounds, functools.partial(run_local, peer_worker, world, spec, zero, mem,
+                                                            timeout_s=args.timeout))
+            ps = Summary.of(theirs)
+            peer_losses[zero] = theirs[0].losses
+            ours: list[RankResult] | None = None
+            err = "not run (--only-peers)" if args.only_peers else ""
+            if not args.only_peers:
+                print(f"  running world {world} zero{zero}: piper replicate(zero={zero}) ({spec.codegen}) ...",
+                      flush=True)
+                try:
+                    ours = best_of(args.rounds, functools.partial(run_local, piper_worker, world, spec, zero,
+                                                                  bucket_of[zero], args.prefetch, mem,
+                                                                  timeout_s=args.timeout))
+                except Exception as e:  # noqa: BLE001 - report and keep the peers' numbers
+                    err = f"FAILED: {type(e).__name__}"
+                    print(f"  piper zero={zero} world {world} failed:\n{short_error(e)}", flush=True)
+            rss_peer = max(ps.rss)
+            if ours is not None:
+                s = Summary.of(ours)
+                line = (f"zero{zero}  piper {s.median_ms:.1f} ms  peer {ps.median_ms:.1f} ms  ratio piper/peer "
+                        f"{s.median_ms / ps.median_ms:.2f}  peakRSS piper {max(s.rss):.0f} MiB peer {rss_peer:.0f} MiB"
+                        f"  | world {world}, cpu ratio {s.cpu_ms / ps.cpu_ms:.2f}, tensor state piper "
+                        f"{_mem(ours, 'state')} peer {_mem(theirs, 'state')} MiB, tensor peak piper "
+                        f"{_mem(ours, 'peak')} peer {_mem(theirs, 'peak')} MiB; peer = {peer}")
+                details.append(f"  world {world} zero{zero} piper: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} "
+                               f"cpu {s.cpu_ms:.1f} ms, first step {s.first_s:.1f} s, RSS/rank "
+                               f"{fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB")
+                for r, rr in enumerate(ours):
+                    details.append(f"    piper rank {r}: {rr.extra}")
+                ok = compare_losses(f"world {world} zero{zero} loss piper vs {peer}", ours[0].losses,
+                                    theirs[0].losses)
+                details.append(f"    loss check: {'OK' if ok else 'MISMATCH'}")
+            else:
+                line = (f"zero{zero}  piper - ms  peer {ps.median_ms:.1f} ms  ratio piper/peer -  peakRSS piper - MiB "
+                        f"peer {rss_peer:.0f} MiB  | world {world}, tensor state peer {_mem(theirs, 'state')} MiB, "
+                        f"tensor peak peer {_mem(theirs, 'peak')} MiB; peer = {peer}; piper {err}")
+            details.append(f"  world {world} zero{zero} {peer}: median {ps.median_ms:.1f} p90 {ps.p90_ms:.1f} "
+                           f"cpu {ps.cpu_ms:.1f} ms, first step {ps.first_s:.1f} s, RSS/rank {fmt_ranks(ps.rss)} "
+                           f"({fmt_ranks(ps.growth, '{:+.0f}')}) MiB")
+            for r, rr in enumerate(theirs):
+                details.append(f"    peer rank {r}: state {rr.extra.get('state_breakdown')} "
+                               f"peak {rr.extra.get('peak')} MiB")
+            lines.append(line)
+            print("  " + line, flush=True)
+        ref = min(peer_losses)  # the peers train the same model on the same batches: they must agree
+        for zero, losses in peer_losses.items():
+            if zero != ref:
+                compare_losses(f"world {world} loss {PEER_NAMES[zero]} vs {PEER_NAMES[ref]}", losses,
+                               peer_losses[ref])
+    print("\n== details (per rank; tensor MiB: see zero_common.py)")
+    print("\n".join(details))
+    print(f"\n== ZeRO: piper vs peer, median step time of the slowest rank ({spec.steps} timed steps)")
+    print("\n".join(lines))
+    print(f"after: {load_note()}")
+
+
+if __name__ == "__main__":
+    main()
