@@ -33,6 +33,7 @@ class StepStats:
     compute: int = 0
     peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
     peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
+    peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
     seconds: float = 0.0
 
 
@@ -181,8 +182,10 @@ class Executor:
                 self.stats.compute += 1
                 if n.attr("loss"):
                     loss_sum += env[n.attr("loss")].detach()
-                for v, fqn in (n.attr("grads") or ()) if self.grads is not None else ():
-                    self.grads.accumulate(fqn, env[v])
+                if self.grads is not None and n.attr("grads"):
+                    for v, fqn in n.attr("grads"):
+                        self.grads.accumulate(fqn, env[v])
+                    self._note_grad_bytes()
             elif n.kind is Kind.SEND:
                 t = self.grads.view(n.attr("state")) if n.attr("state") else get(n.inputs[0])
                 t = t.contiguous()
@@ -202,6 +205,7 @@ class Executor:
                 pending[n.name] = (self._all_reduce(ins, loss_sum, result), ins, pos)
             elif n.kind is Kind.REDUCE_SCATTER:
                 pending[n.name] = (self._reduce_scatter(ins), ins, pos)
+                self._note_grad_bytes(extra=self._keep[n.name])
             elif n.kind is Kind.ALL_GATHER:
                 work, views = self._all_gather(ins)
                 env.update(views)
@@ -210,6 +214,8 @@ class Executor:
             elif n.kind is Kind.UPDATE:
                 grad_sq = result.get("gradnorm")
                 self.state.apply_update(n, self.grads, self.joint, grad_sq, self._max_norm)
+                if self.state.zero is not None:
+                    self.state.zero.release_grad_shards()
             else:
                 raise PiperRuntimeError(f"piper: internal: no runtime for {n.kind}")
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, live)
@@ -247,6 +253,13 @@ class Executor:
         if len(n.devices) == 1:
             return None
         return dist.all_reduce(t, group=self.groups.get(n.stream, n.devices), async_op=True)
+
+    def _note_grad_bytes(self, extra: torch.Tensor | None = None) -> None:
+        assert self.grads is not None
+        held = self.grads.nbytes() + _nbytes(extra)
+        if self.state.zero is not None:
+            held += self.state.zero.grad_shard_bytes()
+        self.stats.peak_grad_bytes = max(self.stats.peak_grad_bytes, held)
 
     def _reduce_scatter(self, ins: Instr) -> Any:
         """ZeRO-2/3: the bucket's summed gradient, this rank's shard only; the full buffer is released."""

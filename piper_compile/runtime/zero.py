@@ -133,8 +133,6 @@ class ZeroState:
                 for f, v in b.views(flat).items():
                     v.copy_(params[f].detach())
                 lo, hi = b.shard_range()
-                if b.level >= 2:
-                    b.grad_shard = torch.zeros(b.shard_len, dtype=b.dtype, device=b.device)
                 if b.level <= 2:
                     b.flat = flat
                     for f, v in b.views(flat).items():
@@ -182,11 +180,20 @@ class ZeroState:
         all-reduced full gradient (ZeRO-1)."""
         b = self.buckets[name]
         if b.level >= 2:
-            assert b.grad_shard is not None
+            if b.grad_shard is None:  # the reduce-scatter's output; dropped after the update
+                b.grad_shard = torch.empty(b.shard_len, dtype=b.dtype, device=b.device)
             return b.grad_shard
         assert full_grad is not None
         lo, hi = b.shard_range()
         return full_grad[lo:hi]
+
+    def release_grad_shards(self) -> None:
+        """After the update: gradient shards are not kept between steps (as FSDP frees its gradients)."""
+        for b in self.buckets.values():
+            b.grad_shard = None
+
+    def grad_shard_bytes(self) -> int:
+        return sum(_nb(b.grad_shard) for b in self.buckets.values())
 
     def nbytes(self) -> dict[str, int]:
         """Persistent bytes of this rank's ZeRO buffers (parameters and gradient shards)."""

@@ -94,6 +94,7 @@ class Sizes:
     symbols: dict[str, int] = field(default_factory=dict)
     values: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # base value -> (shape, dtype)
     params: dict[str, int] = field(default_factory=dict)  # fqn -> bytes
+    params_numel: dict[str, int] = field(default_factory=dict)  # fqn -> elements
     messages: dict[str, int] = field(default_factory=dict)  # SEND/RECV msg -> bytes
 
     @classmethod
@@ -109,6 +110,7 @@ class Sizes:
             for value, ph in zip(seg.inputs, phs):
                 val = ph.meta.get("val")
                 if value.startswith("param:") and isinstance(val, torch.Tensor):
+                    out.params_numel[value[len("param:"):]] = numel(val.shape, syms)
                     out.params[value[len("param:"):]] = numel(val.shape, syms) * val.dtype.itemsize
         for n in dag.of_kind(Kind.RECV):
             if n.attr("state"):

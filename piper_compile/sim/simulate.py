@@ -43,8 +43,11 @@ class SimResult:
     - ``peak_activation_bytes[r]``: the most bytes of values live at once on rank r: compute outputs
       and RECV buffers, allocated when produced and dropped after the instruction that frees them
       (sizes from the segments' output shapes, the batch symbol at the micro-batch size).
-    - ``param_bytes[r]`` / ``grad_bytes[r]``: parameters rank r reads and gradients it keeps, counted
-      separately; ``peak_bytes[r]`` is the sum of the three.
+    - ``param_bytes[r]`` / ``grad_bytes[r]``: parameters rank r keeps between steps and gradients it
+      holds, counted separately. Under ZeRO a sharded bucket counts its shard only (parameters for
+      ZeRO-3, gradients for ZeRO-2/3; padded to the group size); ZeRO-1/2 parameters are whole.
+    - ``peak_gathered_bytes[r]``: ZeRO-3: the most bytes of all-gathered parameters live at once.
+    ``peak_bytes[r]`` is the sum of the four.
     """
 
     step_time: float
@@ -56,6 +59,8 @@ class SimResult:
     param_bytes: dict[int, int]
     grad_bytes: dict[int, int]
     memory_timeline: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+    peak_gathered_bytes: dict[int, int] = field(default_factory=dict)
+    peak_grad_bytes: dict[int, int] = field(default_factory=dict)
 
     @property
     def bubble(self) -> float:
@@ -64,7 +69,8 @@ class SimResult:
 
     @property
     def peak_bytes(self) -> dict[int, int]:
-        return {r: self.peak_activation_bytes[r] + self.param_bytes[r] + self.grad_bytes[r] for r in self.ranks}
+        return {r: self.peak_activation_bytes[r] + self.param_bytes[r] + self.grad_bytes[r]
+                + self.peak_gathered_bytes.get(r, 0) for r in self.ranks}
 
     def summary(self) -> str:
         """One line per rank: busy time, idle fraction and peak memory."""
@@ -194,10 +200,12 @@ class _Sim:
                 raise PiperPlanError("piper: internal: the simulation stalled on programs the verifier accepts")
 
 
-def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span]) -> tuple[int, list[tuple[float, int]]]:
-    """Peak live activation bytes of one rank (host order) and the (time, live bytes) series."""
+def _memory(program: Program, sizes: Sizes,
+            spans: dict[tuple[int, int], Span]) -> tuple[int, list[tuple[float, int]], int]:
+    """Peak live activation bytes of one rank (host order), the (time, live bytes) series, and the
+    peak of all-gathered (ZeRO-3) parameter bytes."""
     live: dict[str, int] = {}
-    total = peak = 0
+    total = peak = gathered = peak_gathered = 0
     series: list[tuple[float, int]] = []
     for pos, ins in enumerate(program.instrs):
         n = ins.node
@@ -206,34 +214,107 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span]) 
             new = list(n.outputs)
         elif n.kind is Kind.RECV and not n.attr("state"):
             new = list(n.outputs)
+        elif n.kind is Kind.ALL_GATHER:
+            for v in n.outputs:
+                live[v] = sizes.params_bytes([v[len("param:"):].split("#", 1)[0]])
+                gathered += live[v]
         for v in new:
             b = sizes.messages.get(n.attr("msg"), 0) if n.kind is Kind.RECV else sizes.value_bytes(v)
             total += b - live.get(v, 0)
             live[v] = b
         peak = max(peak, total)
+        peak_gathered = max(peak_gathered, gathered)
         span = spans.get((program.rank, pos))
         if span is not None:
             series.append((span.start, total))
         for v in ins.frees:
-            total -= live.pop(v, 0)
+            if v.startswith("param:"):
+                gathered -= live.pop(v, 0)
+            else:
+                total -= live.pop(v, 0)
         if span is not None:
             series.append((span.host_end, total))
-    return peak, series
+    return peak, series, peak_gathered
 
 
-def _state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
+def _shard_bytes(nbytes: int, fqns: Any, sizes: Sizes, world: int) -> int:
+    """Bytes of one rank's shard of a bucket padded to a multiple of ``world`` elements."""
+    numel = sum(sizes.params_numel.get(f, 0) for f in fqns)
+    elem = nbytes // numel if numel else 0
+    return -(-numel // world) * elem
+
+
+def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
+    """Most gradient bytes held at once: the persistent buffers plus each reduce-scattered (ZeRO-2/3)
+    bucket from its first gradient to its reduce-scatter, and its shard from then to the update."""
+    rs = {f: i.node.attr("bucket") for i in program.instrs if i.node.kind is Kind.REDUCE_SCATTER
+          for f in i.node.attr("params")}
+    zero = zero_buckets(program)
+    live: set[str] = set()
+    total = peak = persistent
+    for ins in program.instrs:
+        n = ins.node
+        if n.kind is Kind.COMPUTE:
+            for _, f in n.attr("grads") or ():
+                b = rs.get(f)
+                if b is not None and b not in live:
+                    live.add(b)
+                    fqns, w, _ = zero[b]
+                    total += _shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w) * w
+        elif n.kind is Kind.REDUCE_SCATTER and n.attr("bucket") in live:
+            fqns, w, _ = zero[n.attr("bucket")]
+            shard = _shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w)
+            total += shard  # the shard is written while the full bucket is still held
+            peak = max(peak, total)
+            live.discard(n.attr("bucket"))
+            total -= shard * w
+        peak = max(peak, total)
+    return peak
+
+
+def zero_buckets(program: Program) -> dict[str, tuple[tuple[str, ...], int, int]]:
+    """bucket -> (fqns, group size, ZeRO level) of the shard buckets in ``program``."""
+    return {i.node.attr("bucket"): (tuple(i.node.attr("params")), len(i.node.devices), i.node.attr("zero"))
+            for i in program.instrs if i.node.kind is Kind.ALL_GATHER and i.node.attr("zero", 0)}
+
+
+def trained_bytes(program: Program, sizes: Sizes) -> int:
+    """Bytes of what the rank's optimizer updates: its shards of ZeRO buckets, whole other parameters."""
+    upd = next((i.node for i in program.instrs if i.node.kind is Kind.UPDATE), None)
+    if upd is None:
+        return 0
+    zero = zero_buckets(program)
+    sharded = {f for fqns, _, _ in zero.values() for f in fqns}
+    out = sizes.params_bytes([f for f in upd.attr("params") if f not in sharded])
+    return out + sum(_shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w) for fqns, w, _ in zero.values())
+
+
+def state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
+    """(parameter, gradient) bytes rank ``program.rank`` keeps, ZeRO shards counted as shards."""
     params: set[str] = set()
     grads: set[str] = set()
     for ins in program.instrs:
         n = ins.node
         if n.kind is Kind.COMPUTE:
-            params.update(v[len("param:"):] for v in n.inputs if v.startswith("param:"))
+            params.update(v[len("param:"):].split("#", 1)[0] for v in n.inputs if v.startswith("param:"))
             grads.update(f for _, f in n.attr("grads") or ())
         elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
             grads.add(n.attr("state"))
         elif n.kind is Kind.UPDATE:
             grads.update(n.attr("params") or ())
-    return sizes.params_bytes(params), sizes.params_bytes(grads)
+    zero = zero_buckets(program)
+    p_bytes = sizes.params_bytes(params)
+    g_bytes = sizes.params_bytes(grads)
+    for fqns, world, level in zero.values():
+        full = sizes.params_bytes(fqns)
+        shard = _shard_bytes(full, fqns, sizes, world)
+        if level >= 3:
+            p_bytes += shard - full
+        if level >= 2:
+            g_bytes -= full  # reduce-scattered shards live from the reduce-scatter to the update only
+        else:
+            g_bytes += shard * world - full  # the all-reduced buffer is padded too
+    return p_bytes, g_bytes
 
 
 def simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None = None) -> SimResult:
@@ -249,14 +330,15 @@ def simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None =
         rank_end[r] = last + cost.epilogue(r)
     sizes = Sizes.from_dag(dag)
     by_pos = {(s.rank, s.pos): s for s in sim.spans}
-    peaks, timeline, params, grads = {}, {}, {}, {}
+    peaks, timeline, params, grads, gathered, grad_peak = {}, {}, {}, {}, {}, {}
     for p in programs:
-        peaks[p.rank], timeline[p.rank] = _memory(p, sizes, by_pos)
-        params[p.rank], grads[p.rank] = _state_bytes(p, sizes)
+        peaks[p.rank], timeline[p.rank], gathered[p.rank] = _memory(p, sizes, by_pos)
+        params[p.rank], grads[p.rank] = state_bytes(p, sizes)
+        grad_peak[p.rank] = _grad_peak(p, sizes, grads[p.rank])
     sim.spans += [Span(r, STEP_STREAM, "step", "step", STEP_KIND, 0.0, rank_end[r]) for r in sim.ranks]
     sim.spans.sort(key=lambda s: (s.rank, s.start, s.pos))
     return SimResult(max(rank_end.values(), default=0.0), sim.ranks, sim.busy, rank_end, sim.spans, peaks, params,
-                     grads, timeline)
+                     grads, timeline, gathered, grad_peak)
 
 
 def simulate_plan(plan: Any, cost: CostModel | None = None) -> SimResult:

@@ -26,6 +26,8 @@ class RunConfig:
     seed: int = 0
     no_grad_eval: bool = False  # also run one forward-only call under torch.no_grad() after training
     device: str = "cpu"  # "cuda": rank r trains on GPU r over NCCL
+    scheduler: tuple[str, dict[str, Any]] | None = None  # torch.optim.lr_scheduler class name and kwargs
+    clip_grad_norm: float | None = None
 
     def replica_of(self, rank: int, world: int) -> int:
         for d in self.directives:
@@ -35,6 +37,12 @@ class RunConfig:
 
     def dp_degree(self, world: int) -> int:
         return len({self.replica_of(r, world) for r in range(world)})
+
+    def make_scheduler(self, opt: torch.optim.Optimizer) -> Any:
+        if self.scheduler is None:
+            return None
+        name, kw = self.scheduler
+        return getattr(torch.optim.lr_scheduler, name)(opt, **kw)
 
     def make_optimizer(self) -> Any:
         if self.optimizer is None:
@@ -64,9 +72,12 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     if cfg.stages > 1:
         model.annotate_stages(cfg.stages)  # type: ignore[operator]
     piper_opt = None if cfg.user_optimizer else cfg.make_optimizer()
-    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
-                         options={"directives": cfg.directives, "optimizer": piper_opt, "codegen": cfg.codegen})
+    options = {"directives": cfg.directives, "optimizer": piper_opt, "codegen": cfg.codegen}
+    if cfg.clip_grad_norm is not None:
+        options["clip_grad_norm"] = cfg.clip_grad_norm
+    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
     user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
+    sched = cfg.make_scheduler(piper.optimizer(step)) if cfg.scheduler else None
     dp, rep = cfg.dp_degree(world), cfg.replica_of(rank, world)
     losses = []
     for s in range(cfg.steps):
@@ -78,6 +89,8 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
         if user_opt is not None:
             user_opt.step()
             user_opt.zero_grad()
+        if sched is not None:
+            sched.step()
     eval_loss = None
     if cfg.no_grad_eval:
         batch = _global_batch(model, cfg, cfg.steps, dp * cfg.local_batch)
@@ -93,6 +106,7 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     stats = piper.last_stats(step)
     return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
             "collectives": dict(stats.collectives), "p2p": stats.p2p, "stats": stats,
+            "memory": piper.memory_report(step) if not cfg.user_optimizer else None,
             "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback)}
 
 
@@ -100,6 +114,7 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     """Single-process eager training on the concatenation of all replicas' batches."""
     model = _model(cfg)
     opt = cfg.make_optimizer()(model.parameters())
+    sched = cfg.make_scheduler(opt)
     dp = cfg.dp_degree(world)
     losses = []
     for s in range(cfg.steps):
@@ -107,7 +122,11 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
         loss = model(*batch)
         opt.zero_grad()
         loss.backward()
+        if cfg.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
     eval_loss = None
     if cfg.no_grad_eval:
