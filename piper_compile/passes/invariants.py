@@ -38,3 +38,10 @@ def check_invariants(dag: TrainingDAG, ctx: PassContext) -> None:
         written = {fqn for n in dag.of_kind(Kind.COMPUTE) for _, fqn in n.attr("grads", ()) or ()}
         if written - updated:
             fail(f"parameters {sorted(written - updated)} get gradients but no UPDATE")
+    for group, z in dag.meta.get("zero", {}).items():
+        if z.level < 3:
+            continue
+        sharded = {f"param:{f}" for _, fqns in z.buckets for f in fqns}
+        for n in dag.of_kind(Kind.COMPUTE):
+            if n.devices == group and sharded & set(n.inputs):
+                fail(f"{n.name} reads sharded parameters {sorted(sharded & set(n.inputs))[:3]} without an all-gather")
