@@ -89,25 +89,39 @@ def insert_param_gather(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     dag.meta.setdefault("zero", {}).update(layout)
     order = _compute_order(dag)
     for group, z in layout.items():
-        bucket_of = z.bucket_of()
-        fqns_of = dict(z.buckets)
-        steps = [n for n in order if n.devices == group]
-        for i, n in enumerate(steps):
-            needed: dict[str, list[str]] = defaultdict(list)
-            for v in n.inputs:
-                if v.startswith(PARAM) and v[len(PARAM):] in bucket_of:
-                    needed[bucket_of[v[len(PARAM):]]].append(v[len(PARAM):])
-            if not needed:
-                continue
-            rename = {}
-            for b in sorted(needed, key=lambda b: int(b.rsplit(".b", 1)[1])):
-                outs = tuple(f"{PARAM}{f}#{n.name}" for f in needed[b])
-                rename.update({f"{PARAM}{f}": o for f, o in zip(needed[b], outs)})
-                ag = dag.add(Node(f"AG.{b}@{n.name}", Kind.ALL_GATHER, n.tags, group, z.gather_stream, (), outs,
+        _gather_for_group(dag, [n for n in order if n.devices == group], z)
+    return dag
+
+
+def _gather_for_group(dag: TrainingDAG, steps: list[Node], z: ZeroGroup) -> None:
+    """The ALL_GATHERs of one ZeRO-3 group; consecutive compute steps reading one bucket share a gather
+    (e.g. two forward chunks of a micro-batch), which is freed after the last of them."""
+    bucket_of = z.bucket_of()
+    fqns_of = dict(z.buckets)
+    last: dict[str, tuple[int, str]] = {}  # bucket -> (index of the step that last gathered it, AG name)
+    for i, n in enumerate(steps):
+        needed: dict[str, list[str]] = defaultdict(list)
+        for v in n.inputs:
+            if v.startswith(PARAM) and v[len(PARAM):] in bucket_of:
+                needed[bucket_of[v[len(PARAM):]]].append(v[len(PARAM):])
+        rename: dict[str, str] = {}
+        for b in sorted(needed, key=lambda b: int(b.rsplit(".b", 1)[1])):
+            prev = last.get(b)
+            if prev is not None and prev[0] == i - 1:  # share the previous step's gather
+                ag = dag.nodes[prev[1]]
+                tag = ag.attr("for")
+                outs = tuple(f"{PARAM}{f}#{tag}" for f in needed[b])
+                dag.replace(ag.with_(outputs=tuple(dict.fromkeys(ag.outputs + outs))))
+            else:
+                tag = n.name
+                outs = tuple(f"{PARAM}{f}#{tag}" for f in needed[b])
+                ag = dag.add(Node(f"AG.{b}@{tag}", Kind.ALL_GATHER, n.tags, z.devices, z.gather_stream, (), outs,
                                   tuple(sorted({"bucket": b, "params": fqns_of[b], "zero": z.level,
-                                                "purpose": "param", "for": n.name}.items()))))
+                                                "purpose": "param", "for": tag}.items()))))
                 at = i - 1 - z.prefetch
                 if at >= 0:
                     dag.add_order(steps[at].name, ag.name)
+            last[b] = (i, ag.name)
+            rename.update({f"{PARAM}{f}": o for f, o in zip(needed[b], outs)})
+        if rename:
             dag.replace(n.with_(inputs=tuple(rename.get(v, v) for v in n.inputs)))
-    return dag

@@ -93,15 +93,22 @@ def check_zero_plan(model: str, stages: int, m: int, kind: str, zero: int, bucke
             assert gathers and all(instrs.index(g) > upd for g in gathers)
             continue
         produced_at = {v: k for k, i in enumerate(instrs) for v in i.node.outputs}
-        for k, ins in enumerate(instrs):
-            if ins.node.kind is not Kind.COMPUTE:
-                continue
+        computes = [k for k, i in enumerate(instrs) if i.node.kind is Kind.COMPUTE]
+        readers: dict[str, list[int]] = {}
+        by_gather: dict[int, set[int]] = {}
+        for k in computes:
+            ins = instrs[k]
             for v in ins.node.inputs:
                 if v.startswith("param:") and v[len("param:"):] in sharded:
                     raise AssertionError(f"rank {prog.rank}: {ins.name} reads sharded {v} without a gather")
                 if v.startswith("param:") and "#" in v:
-                    assert v.endswith("#" + ins.name) and produced_at[v] < k
-                    assert v in ins.frees  # resharded right after the step that used it
+                    assert produced_at[v] < k
+                    readers.setdefault(v, []).append(computes.index(k))
+                    by_gather.setdefault(produced_at[v], set()).add(computes.index(k))
+        for rs in by_gather.values():  # a gather serves consecutive compute steps ...
+            assert sorted(rs) == list(range(min(rs), max(rs) + 1)), rs
+        for v, rs in readers.items():  # ... and each gathered parameter is freed after its last reader
+            assert v in instrs[computes[rs[-1]]].frees
 
 
 @settings(max_examples=12, **SETTINGS)
@@ -137,7 +144,7 @@ def test_prefetch_distance_orders_the_gather() -> None:
         computes = [i for i in instrs if i.node.kind is Kind.COMPUTE]
         for ins in instrs:
             if ins.node.kind is Kind.ALL_GATHER:
-                target = next(c for c in computes if c.name == ins.node.attr("for"))
+                target = next(c for c in computes if c.name == ins.node.attr("for"))  # its first reader
                 at = computes.index(target) - 1 - k
                 if at >= 0:
                     assert instrs.index(ins) > instrs.index(computes[at])
