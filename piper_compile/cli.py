@@ -3,6 +3,7 @@ every rank's program and print them -- no processes launched."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -24,7 +25,7 @@ def _directives(args: argparse.Namespace) -> list:
     if stages > 1:
         out += piper.pipeline(stages, ranks=[[s + stages * r for r in range(dp)] for s in range(stages)])
     if dp > 1:
-        out.append(piper.replicate({"PP": "*"} if stages > 1 else {}))
+        out.append(piper.replicate({"PP": "*"} if stages > 1 else {}, zero=args.zero, bucket_mb=args.bucket_mb))
     out.append(piper.split(m))
     if stages > 1:
         sched = piper.schedules.one_f_one_b if args.schedule == "1f1b" else piper.schedules.gpipe
@@ -49,7 +50,9 @@ def explain(args: argparse.Namespace) -> int:
         model.annotate_stages(args.stages)
     world = args.world_size or args.stages * args.dp
     t0 = time.perf_counter()
-    result = piper.plan(model, *batch, directives=_directives(args), world_size=world)
+    # ZeRO runs piper's optimizer: any elementwise one plans the same
+    options = {"optimizer": functools.partial(torch.optim.AdamW, lr=1e-3)} if args.zero else None
+    result = piper.plan(model, *batch, directives=_directives(args), world_size=world, options=options)
     dt = time.perf_counter() - t0
     if args.cmd == "explain":
         shown = result.programs if args.ranks is None else [result.programs[r] for r in args.ranks]
@@ -104,6 +107,8 @@ def _add_plan_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--batch", type=int, default=8, help="local batch per replica")
     e.add_argument("--dim", type=int, default=None, help="model width (parameters are fake: any size fits)")
     e.add_argument("--world-size", type=int, default=None, help="default: stages * dp")
+    e.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage of the data parallelism")
+    e.add_argument("--bucket-mb", type=float, default=25.0, help="gradient / shard bucket size in MB")
     e.add_argument("--directives", help="a JSON file of directives (overrides --stages/--dp/...)")
     e.add_argument("--ranks", type=int, nargs="*", help="only print these ranks")
     e.add_argument("-v", "--verbose", action="store_true", help="one line per instruction")
