@@ -34,6 +34,7 @@ class StepStats:
     peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
     peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
     peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
+    reordered: int = 0  # compute steps run ahead of a predecessor still waiting for its input
     seconds: float = 0.0
 
 
@@ -46,6 +47,28 @@ def _split_mb(name: str) -> tuple[str, int | None]:
         base, mb = name.rsplit("@mb", 1)
         return base, int(mb)
     return name, None
+
+
+def overlap_partners(program: Program) -> dict[int, int]:
+    """compute position -> the next compute step, where the runtime may run that one first if this one's
+    input has not arrived: nothing it reads comes from this step or the instructions between them,
+    what it waits for is issued before this step, and at most one of the two accumulates gradients or
+    the loss (so accumulation order, and with it every number, stays the same)."""
+    instrs = program.instrs
+    computes = [k for k, i in enumerate(instrs) if i.node.kind is Kind.COMPUTE]
+    out: dict[int, int] = {}
+    for a, b in zip(computes, computes[1:]):
+        i, j = instrs[a].node, instrs[b].node
+        produced = {v for k in range(a, b) for v in instrs[k].node.outputs}
+        issued = {instrs[k].name for k in range(a)}
+        if produced & set(j.inputs) or not set(instrs[b].waits) <= issued:
+            continue
+        if (bool(i.attr("grads")) and bool(j.attr("grads"))) or (bool(i.attr("loss")) and bool(j.attr("loss"))):
+            continue
+        if not instrs[a].waits:
+            continue
+        out[a] = b
+    return out
 
 
 class Executor:
@@ -72,6 +95,7 @@ class Executor:
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight collectives whose owner let go
         self._max_norm = 0.0
+        self._partner = overlap_partners(program)
         self._update = next((i.node for i in program.instrs if i.node.kind is Kind.UPDATE), None)
 
     # -- externals -------------------------------------------------------------------------------
@@ -110,6 +134,15 @@ class Executor:
         return v
 
     # -- waiting -----------------------------------------------------------------------------------
+    @staticmethod
+    def _blocked(ins: Instr, pending: dict[str, tuple[Any, Instr, int]]) -> bool:
+        """Whether one of ``ins``'s waits is still in flight (never blocks)."""
+        for w in ins.waits:
+            item = pending.get(w)
+            if item is not None and item[0] is not None and not item[0].is_completed():
+                return True
+        return False
+
     def _wait(self, pending: dict[str, tuple[Any, Instr, int]], name: str) -> None:
         item = pending.pop(name, None)
         if item is None:
@@ -168,24 +201,46 @@ class Executor:
                     x = externals[v] = self._external(v, args, mb_size, syms, dtype)
             return x
 
+        def compute(ins: Instr) -> None:
+            nonlocal live
+            n = ins.node
+            outs = self.segments[n.attr("segment")]([get(v) for v in n.inputs], key)
+            env.update(zip(n.outputs, outs))
+            live += sum(_nbytes(t) for t in outs)
+            self.stats.compute += 1
+            if n.attr("loss"):
+                loss_sum.add_(env[n.attr("loss")].detach())
+            if self.grads is not None and n.attr("grads"):
+                for v, fqn in n.attr("grads"):
+                    self.grads.accumulate(fqn, env[v])
+                self._note_grad_bytes()
+
+        ran_early: set[int] = set()
         for pos, ins in enumerate(self.program.instrs):
+            n = ins.node
+            if pos in ran_early:  # an overlap partner that ran while its predecessor waited
+                for v in ins.frees:
+                    live -= _nbytes(env.pop(v, None))
+                continue
+            j = self._partner.get(pos)
+            if j is not None and self._blocked(ins, pending) and not self._blocked(self.program.instrs[j], pending):
+                # this step's input is still in flight but the next, independent step is ready: run
+                # that one first (e.g. DualPipeV's B of one micro-batch while F's activation arrives)
+                partner = self.program.instrs[j]
+                for w in partner.waits:
+                    self._wait(pending, w)
+                rec.begin()
+                compute(partner)
+                rec.end(j, partner, None)
+                ran_early.add(j)
+                self.stats.reordered += 1
             for w in ins.waits:
                 tw = rec.now()
                 self._wait(pending, w)
                 rec.complete(w, tw)
             rec.begin()
-            n = ins.node
             if n.kind is Kind.COMPUTE:
-                outs = self.segments[n.attr("segment")]([get(v) for v in n.inputs], key)
-                env.update(zip(n.outputs, outs))
-                live += sum(_nbytes(t) for t in outs)
-                self.stats.compute += 1
-                if n.attr("loss"):
-                    loss_sum += env[n.attr("loss")].detach()
-                if self.grads is not None and n.attr("grads"):
-                    for v, fqn in n.attr("grads"):
-                        self.grads.accumulate(fqn, env[v])
-                    self._note_grad_bytes()
+                compute(ins)
             elif n.kind is Kind.SEND:
                 t = self.grads.view(n.attr("state")) if n.attr("state") else get(n.inputs[0])
                 t = t.contiguous()
