@@ -220,6 +220,7 @@ class CompiledStep:
             tensors += [self.joint.buffers[f] for f in sorted(self.joint.buffers)]
             self.state.broadcast_from_rank0(tensors)
         self.state.shard()
+        self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
         self._check_inputs(args)
         loss = plan.executor.run(list(args))
         if train:

@@ -17,6 +17,10 @@ from piper_compile.runtime.zero import Layout, ZeroState
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
+# Called by ready() once per TrainState, at the first call that finds it sharded (ZeRO), with the state
+# and the calling CompiledStep (piper_compile.checkpoint installs the module's state_dict hooks here).
+ON_SHARDED: list[Callable[["TrainState", Any], None]] = []
+
 
 class GradBuffers:
     """Per-rank gradient storage: one flat tensor per reduction bucket (padded to a multiple of the group
@@ -118,6 +122,9 @@ class TrainState:
         self.zero: ZeroState | None = None
         self.named: dict[str, nn.Parameter] = {}
         self.hooks_installed = False
+        self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
+        self.first_call_done = False
+        self.on_sharded_done = False
 
     # -- ZeRO --------------------------------------------------------------------------------------
     def ensure_zero(self, layout: Layout, named: dict[str, nn.Parameter], rank: int) -> None:
@@ -140,6 +147,18 @@ class TrainState:
         self.zero.shard_(self.named)
         if self.optimizer is not None:
             self._rewire_optimizer(self.optimizer)
+
+    def ready(self, step: Any) -> None:
+        """Every call, right after shard() and before the step computes: the ON_SHARDED hooks once, then
+        what was registered to wait for this point (``step`` is the calling CompiledStep)."""
+        self.first_call_done = True
+        if not self.on_sharded_done and self.zero is not None and self.zero.sharded:
+            self.on_sharded_done = True
+            for hook in ON_SHARDED:
+                hook(self, step)
+        pending, self.pending = self.pending, []
+        for fn in pending:  # what one re-registers waits for the next call
+            fn(step)
 
     def gather_zero(self, groups: Any) -> dict[str, torch.Tensor]:
         """Full copies of every sharded parameter of this rank's group (collective over the group)."""
