@@ -204,6 +204,8 @@ class CompiledStep:
             groups.ensure(group_keys(dag, self.world))
         assert self.state is not None and self.joint is not None
         self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
+        if dag.meta.get("zero") and not forward_only:
+            self.state.release_unused(_unread_params(dag, program))
         executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
                             len(dag.meta["loss_group"]), dag.meta["loss_group"], self.options.timeout_s,
                             forward_only)
@@ -232,6 +234,15 @@ class CompiledStep:
         for s in self.joint.inputs:
             if s.kind == INPUT and s.arg_index is not None and not isinstance(args[s.arg_index], torch.Tensor):
                 raise PiperError(f"piper: input {s.name!r} must be a tensor")
+
+
+def _unread_params(dag: TrainingDAG, program: Program) -> set[str]:
+    """Trained parameters that no instruction of ``program`` reads or updates (other stages' weights)."""
+    trained = {f for n in dag if n.kind.name == "UPDATE" for f in n.attr("params")}
+    mine = {v[len("param:"):].split("#", 1)[0] for i in program.instrs for v in i.node.inputs if v.startswith("param:")}
+    mine |= {f for i in program.instrs if i.node.kind.name == "UPDATE" for f in i.node.attr("params")}
+    mine |= {f for i in program.instrs if i.node.kind.name == "ALL_GATHER" for f in i.node.attr("params") or ()}
+    return trained - mine
 
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,

@@ -536,8 +536,9 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
             b = z.buckets[name]
             vals.update({f: v.clone() for f, v in b.views(_full_flat(z, b, ctx.groups)).items()})
     for f, p in ctx.params.items():
-        if f not in vals:
-            vals[f] = p.detach().clone()
+        if f not in vals:  # a released parameter (another stage's) has no storage: its owner sends it
+            vals[f] = p.detach().clone() if p.untyped_storage().nbytes() else torch.empty(p.shape, dtype=p.dtype,
+                                                                                          device=p.device)
     if ctx.world > 1:
         for f in ctx.params:  # the same order on every rank
             own = ctx.owners.get(f)
@@ -599,7 +600,17 @@ def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str
     """ZeRO-3: the module's parameters have no storage; put full tensors, all-gathered from the shards,
     in their place (a collective over each ZeRO-3 bucket's group)."""
     z = st.zero
-    if _HOOKS_OFF[0] or z is None or not z.sharded:
+    if _HOOKS_OFF[0]:
+        return
+    if st.released:  # other stages' parameters were released: fetch every value from its owners
+        cs = next(c for c in st.steps if c.plans)
+        vals = _full_values(_ctx_of(st, cs, module))  # a collective over the world
+        by_id = {id(p): f for f, p in st.named.items()}
+        for key, p in _names(module, prefix):
+            if id(p) in by_id and key in sd:
+                sd[key] = vals[by_id[id(p)]]
+        return
+    if z is None or not z.sharded:
         return
     z3 = [z.buckets[n] for n in sorted(z.buckets) if z.buckets[n].level >= 3]
     if not z3:
@@ -615,7 +626,12 @@ def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str
 
 
 def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
-    """ZeRO-3: give the parameters storage (holding this rank's pieces) so load_state_dict can copy."""
+    """ZeRO-3: give the parameters storage (holding this rank's pieces) so load_state_dict can copy;
+    released parameters (other stages') get storage for the copy too."""
+    for f in sorted(st.released):
+        p = st.named[f]
+        if p.untyped_storage().nbytes() == 0:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
     z = st.zero
     if z is None or not z.sharded:
         return
@@ -634,7 +650,11 @@ def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
 
 
 def _load_post_hook(st: Any, module: nn.Module, incompatible: Any) -> None:
-    """The loaded full parameters into this rank's shards; ZeRO-3 parameters lose their storage again."""
+    """The loaded full parameters into this rank's shards; ZeRO-3 and released parameters lose their
+    storage again."""
+    for f in sorted(st.released):
+        if st.named[f].untyped_storage().nbytes():
+            free_storage(st.named[f])
     z = st.zero
     if z is None or not z.sharded:
         return
@@ -657,7 +677,7 @@ def _install_hooks(st: Any, module: nn.Module) -> None:
     """Once per model, when its state is sharded (ZeRO): ``model.state_dict()`` returns full tensors
     (ZeRO-3: all-gathered on demand, so every rank of a ZeRO group must call it together) and
     ``model.load_state_dict(full)`` also updates the shards."""
-    if st.hooks_installed or st.zero is None or not st.zero.sharded or not st.zero.buckets:
+    if st.hooks_installed or ((st.zero is None or not st.zero.sharded or not st.zero.buckets) and not st.released):
         return
     st.hooks_installed = True
     module.register_state_dict_post_hook(functools.partial(_state_dict_hook, st))
@@ -682,7 +702,7 @@ def _caller_module(st: Any) -> nn.Module | None:
 
 
 def _on_sharded(st: Any, cs: Any) -> None:
-    if st.zero is not None and st.zero.buckets and not st.hooks_installed:
+    if ((st.zero is not None and st.zero.buckets) or st.released) and not st.hooks_installed:
         module = _caller_module(st)
         if module is not None:
             _install_hooks(st, module)

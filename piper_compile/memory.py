@@ -66,10 +66,8 @@ def _measured(cs: Any) -> MemoryFigures:
     plan = cs.plans[False]
     ex = plan.executor
     st = cs.state
-    program = plan.programs[cs.rank]
-    read = {v[len("param:"):].split("#", 1)[0] for i in program.instrs if i.node.kind is Kind.COMPUTE
-            for v in i.node.inputs if v.startswith("param:")}
-    tensors = [cs.joint.params[f] for f in sorted(read)]
+    # every parameter storage the process holds (other stages' weights too unless ZeRO released them)
+    tensors = [cs.joint.params[f] for f in sorted(cs.joint.params)]
     zero = st.zero
     if zero is not None:
         tensors += [b.shard for b in zero.buckets.values() if b.shard is not None]

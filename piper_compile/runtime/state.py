@@ -13,7 +13,7 @@ from piper_compile.capture.joint import JointGraph
 from piper_compile.errors import PiperError
 from piper_compile.ir.dag import Kind
 from piper_compile.plan.program import Program
-from piper_compile.runtime.zero import Layout, ZeroState
+from piper_compile.runtime.zero import Layout, ZeroState, free_storage
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -121,6 +121,8 @@ class TrainState:
         self.device = params[0].device if params else torch.device("cpu")
         self.zero: ZeroState | None = None
         self.named: dict[str, nn.Parameter] = {}
+        self.to_release: set[str] = set()
+        self.released: set[str] = set()  # parameters whose storage this rank gave back (other stages)
         self.hooks_installed = False
         self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
         self.first_call_done = False
@@ -129,10 +131,10 @@ class TrainState:
     # -- ZeRO --------------------------------------------------------------------------------------
     def ensure_zero(self, layout: Layout, named: dict[str, nn.Parameter], rank: int) -> None:
         """Adopt this rank's shard layout (the first plan sets it; every later plan must agree)."""
+        self.named = named
         if not layout:
             return
         if self.zero is None:
-            self.named = named
             self.zero = ZeroState.build(layout, named, rank)
             return
         have = {k: (b.fqns, b.devices, b.level, b.stream) for k, b in self.zero.buckets.items()}
@@ -140,8 +142,18 @@ class TrainState:
             raise PiperError("piper: internal: the training and forward-only programs disagree on the ZeRO "
                              f"shard layout ({sorted(have)} vs {sorted(layout)})")
 
+    def release_unused(self, fqns: Iterable[str]) -> None:
+        """Under ZeRO with pipeline stages: parameters this rank never reads (other stages' weights) give
+        their memory back at ``shard()``; ``piper.full_state_dict`` / ``model.state_dict()`` fetch them
+        from the ranks that train them."""
+        self.to_release.update(fqns)
+
     def shard(self) -> None:
-        """Move parameters into the shard layout (after rank 0's weights were broadcast); once."""
+        """Move parameters into the shard layout (after rank 0's weights were broadcast); once. Release
+        the parameters this rank never reads."""
+        for f in sorted(self.to_release - self.released):
+            free_storage(self.named[f])
+            self.released.add(f)
         if self.zero is None or self.zero.sharded:
             return
         self.zero.shard_(self.named)
@@ -152,7 +164,7 @@ class TrainState:
         """Every call, right after shard() and before the step computes: the ON_SHARDED hooks once, then
         what was registered to wait for this point (``step`` is the calling CompiledStep)."""
         self.first_call_done = True
-        if not self.on_sharded_done and self.zero is not None and self.zero.sharded:
+        if not self.on_sharded_done and ((self.zero is not None and self.zero.sharded) or self.released):
             self.on_sharded_done = True
             for hook in ON_SHARDED:
                 hook(self, step)
