@@ -134,6 +134,15 @@ class Executor:
         return v
 
     # -- waiting -----------------------------------------------------------------------------------
+    def _drop_finished(self, pending: dict[str, tuple[Any, Instr, int]]) -> None:
+        """Let go of the full gradient buckets whose reduce-scatter has finished (the wait comes later, at
+        the update; holding every bucket until then would keep a whole model of gradients alive)."""
+        for name in list(self._keep):
+            item = pending.get(name)
+            if item is None or item[0] is None or item[0].is_completed():
+                self._wait(pending, name)  # finished: retire the work (it references the bucket too)
+                self._keep.pop(name, None)
+
     @staticmethod
     def _blocked(ins: Instr, pending: dict[str, tuple[Any, Instr, int]]) -> bool:
         """Whether one of ``ins``'s waits is still in flight (never blocks)."""
@@ -241,6 +250,8 @@ class Executor:
             rec.begin()
             if n.kind is Kind.COMPUTE:
                 compute(ins)
+                if self._keep:
+                    self._drop_finished(pending)
             elif n.kind is Kind.SEND:
                 t = self.grads.view(n.attr("state")) if n.attr("state") else get(n.inputs[0])
                 t = t.contiguous()
