@@ -137,23 +137,22 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -
     return [c for c in chunks if c]
 
 
-def _chunk_forward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
+def _chunk_forward(nodes: list[fx.Node], joint: JointGraph, bucket_of: dict[str, Any],
                    derived: set[str]) -> list[list[fx.Node]]:
-    """Cut a forward node list so each piece reads about ``cap_bytes`` of parameters (ZeRO-3: a piece's
-    parameters are all-gathered just before it and freed after it, so the pieces bound the gathered
-    parameter memory). Pieces are contiguous in graph order, hence never cyclic."""
+    """Cut a forward node list where it starts reading parameters of another gradient bucket (ZeRO-3:
+    a piece's buckets are all-gathered just before it and freed after it, so pieces aligned with the
+    buckets gather each bucket once and bound the gathered memory). Pieces are contiguous in graph
+    order, hence never cyclic."""
     chunks: list[list[fx.Node]] = [[]]
-    seen: set[str] = set()
-    size = 0.0
+    current: Any = None
     for n in nodes:
-        new = [a for a in _param_roots(n, derived, joint) if a not in seen]
-        added = sum(joint.params[a[len("param:"):]].numel() * joint.params[a[len("param:"):]].element_size()
-                    for a in new)
-        if new and size and size + added > cap_bytes:
-            chunks.append([])
-            size = 0.0
-        seen.update(new)
-        size += added
+        for b in (bucket_of.get(a) for a in _param_roots(n, derived, joint)):
+            if b is None or b == current:
+                continue
+            if current is not None and chunks[-1]:
+                chunks.append([])
+            current = b
+            break
         chunks[-1].append(n)
     return [c for c in chunks if c]
 
@@ -231,17 +230,27 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
             continue
         groups.setdefault((passes[n.name], region[n.name]), []).append(n)
     out_node = gm.graph.find_nodes(op="output")[0]
-    keyed: dict[tuple[str, Region, int], list[fx.Node]] = {}
+    parts: dict[tuple[str, Region], list[tuple[str, list[fx.Node]]]] = {}
     for (pass_, reg), nodes in groups.items():
-        parts = [(pass_, nodes)]
+        parts[(pass_, reg)] = [(pass_, nodes)]
         if pass_ == "B" and split_bw is not None and split_bw(reg):
             bi, bw = split_backward(nodes, joint, out_node)
-            parts = [("BI", bi), ("BW", bw)]
-        for part_pass, part in parts:
+            parts[(pass_, reg)] = [("BI", bi), ("BW", bw)]
+    chunked: dict[tuple[str, Region], list[list[fx.Node]]] = {}
+    bucket_of: dict[str, Any] = {}  # param value -> its gradient bucket (backward chunk)
+    for (pass_, reg), ps in parts.items():  # backward first: forward chunks follow its buckets
+        for part_pass, part in ps:
             if part_pass in ("B", "BW") and bucket_bytes:
-                chunks = _chunk_backward(part, joint, bucket_bytes)
+                chunked[(part_pass, reg)] = _chunk_backward(part, joint, bucket_bytes)
+                for c, chunk in enumerate(chunked[(part_pass, reg)]):
+                    bucket_of.update({f"param:{joint.grad_of[n.name]}": (reg, c) for n in chunk if n.name in joint.grad_of})
+    keyed: dict[tuple[str, Region, int], list[fx.Node]] = {}
+    for (pass_, reg), ps in parts.items():
+        for part_pass, part in ps:
+            if (part_pass, reg) in chunked:
+                chunks = chunked[(part_pass, reg)]
             elif part_pass == "F" and bucket_bytes and chunk_fw is not None and chunk_fw(reg):
-                chunks = _chunk_forward(part, joint, bucket_bytes, derived)
+                chunks = _chunk_forward(part, joint, bucket_of, derived)
             else:
                 chunks = [part]
             for c, chunk in enumerate(chunks):

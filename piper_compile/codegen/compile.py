@@ -47,7 +47,7 @@ class CompiledSegment:
             return lambda a: self.gm(*a)
         finally:
             self.compile_seconds += time.perf_counter() - t0
-        return lambda a: compiled(list(a))
+        return compiled  # boxed: it clears the list and frees each input after its last use
 
     def _inductor(self, args: list[Any]) -> Any:
         from torch._guards import TracingContext, tracing
@@ -71,8 +71,10 @@ class CompiledSegment:
         return compiled
 
     def __call__(self, args: list[Any], key: Any = None) -> list[Any]:
-        """Run on ``args``. ``key`` (optional) stands for the input signature -- the runtime passes the
-        step's symbol values, which determine every input shape -- so shapes are not re-hashed per call."""
+        """Run on ``args`` (the list is consumed: Inductor code clears it and drops each input after its
+        last use, so inputs the caller no longer holds are freed during the segment). ``key`` (optional)
+        stands for the input signature -- the runtime passes the step's symbol values, which determine
+        every input shape -- so shapes are not re-hashed per call."""
         sig = _signature(args) if key is None else key
         fn = self._cache.get(sig)
         if fn is None:

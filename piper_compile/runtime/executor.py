@@ -210,10 +210,25 @@ class Executor:
                     x = externals[v] = self._external(v, args, mb_size, syms, dtype)
             return x
 
-        def compute(ins: Instr) -> None:
+        released: dict[str, int] = {}
+
+        def free(v: str) -> None:
+            nonlocal live, gathered
+            b = released.pop(v) if v in released else _nbytes(env.pop(v, None))
+            if v.startswith("param:"):
+                gathered -= b
+            else:
+                live -= b
+
+        def compute(ins: Instr, release: bool = True) -> None:
             nonlocal live
             n = ins.node
-            outs = self.segments[n.attr("segment")]([get(v) for v in n.inputs], key)
+            inputs = [get(v) for v in n.inputs]
+            for v in ins.frees if release else ():  # last use: the segment may free it once done with it
+                if v in env and v in n.inputs and v not in n.outputs:
+                    released[v] = _nbytes(env.pop(v))  # still counted live until the instruction ends
+            outs = self.segments[n.attr("segment")](inputs, key)
+            del inputs
             env.update(zip(n.outputs, outs))
             live += sum(_nbytes(t) for t in outs)
             self.stats.compute += 1
@@ -229,7 +244,7 @@ class Executor:
             n = ins.node
             if pos in ran_early:  # an overlap partner that ran while its predecessor waited
                 for v in ins.frees:
-                    live -= _nbytes(env.pop(v, None))
+                    free(v)
                 continue
             j = self._partner.get(pos)
             if j is not None and self._blocked(ins, pending) and not self._blocked(self.program.instrs[j], pending):
@@ -239,7 +254,7 @@ class Executor:
                 for w in partner.waits:
                     self._wait(pending, w)
                 rec.begin()
-                compute(partner)
+                compute(partner, release=False)  # its frees wait for its own position
                 rec.end(j, partner, None)
                 ran_early.add(j)
                 self.stats.reordered += 1
@@ -287,10 +302,7 @@ class Executor:
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, live)
             self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, gathered)
             for v in ins.frees:
-                if v.startswith("param:"):
-                    gathered -= _nbytes(env.pop(v, None))
-                else:
-                    live -= _nbytes(env.pop(v, None))
+                free(v)
             rec.end(pos, ins, pending.get(n.name))
         for name in list(pending):
             tw = rec.now()
