@@ -24,15 +24,18 @@ def split(microbatches: int, filter: Filter | None = None, dim_name: str = "MB")
 
 def replicate(filter: Filter | None = None, devices: Sequence[int] | None = None, *, zero: int = 0,
               bucket_mb: float = 25.0, reduce_stream: str = "dp", gather_stream: str = "dp_gather",
-              prefetch: int = 1) -> dict[str, Any]:
+              prefetch: int = 1, reduce_per_microbatch: bool = False) -> dict[str, Any]:
     """Data-parallel replicas of the matched regions over their device group.
 
     ``zero``: 0 all-reduces gradients; 1 shards the optimizer (each rank updates its shard of a flat
     fp32 buffer per bucket, then parameters are all-gathered); 2 also reduce-scatters gradients; 3 also
     keeps parameters only as shards, all-gathered before each use (``prefetch`` compute steps ahead) and
-    freed after it."""
+    freed after it. ``reduce_per_microbatch`` (ZeRO-2/3) reduce-scatters every micro-batch's gradients
+    instead of once per step: more communication, but no full gradient bucket lives across micro-batches."""
     d: dict[str, Any] = {"op": "replicate", "filter": dict(filter or {}), "zero": zero, "bucket_size": bucket_mb,
                          "reduce_stream": reduce_stream, "gather_stream": gather_stream, "prefetch": prefetch}
+    if reduce_per_microbatch:
+        d["reduce_per_microbatch"] = True
     if devices is not None:
         d["devices"] = list(devices)
     return d

@@ -66,11 +66,13 @@ class Replicate(Directive):
     bucket_size: float = 25.0  # MB
     zero: int = 0
     prefetch: int = 1  # ZeRO-3: how many compute steps ahead a parameter all-gather is issued
+    reduce_per_microbatch: bool = False  # ZeRO-2/3: reduce-scatter after every micro-batch's backward
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"op": "replicate", "filter": dict(self.filter), "reduce_stream": self.reduce_stream,
                              "gather_stream": self.gather_stream, "bucket_size": self.bucket_size,
-                             "zero": self.zero, "prefetch": self.prefetch}
+                             "zero": self.zero, "prefetch": self.prefetch,
+                             "reduce_per_microbatch": self.reduce_per_microbatch}
         if self.devices is not None:
             d["devices"] = list(self.devices)
         return d
@@ -166,7 +168,8 @@ def _parse_split(i: int, raw: dict) -> Split:
 
 def _parse_replicate(i: int, raw: dict) -> Replicate:
     _allowed(i, raw, {"filter", "devices", "reduce_stream", "gather_stream", "bucket_size", "bucket_mb", "zero",
-                      "shard_grads", "shard_params", "prefetch"})
+                      "shard_grads", "shard_params", "prefetch",
+                      "reduce_per_microbatch"})
     zero = _check_type(i, raw, "zero", (int,), "0, 1, 2 or 3") if "zero" in raw else 0
     if raw.get("shard_params"):
         zero = max(zero, 3)
@@ -178,6 +181,11 @@ def _parse_replicate(i: int, raw: dict) -> Replicate:
     if prefetch < 0:
         raise PiperDirectiveError(i, raw, f"prefetch must be >= 0, got {prefetch}",
                                   "use 0 (gather just before use) or 1-2 (overlap the gather with compute)")
+    per_mb = _check_type(i, raw, "reduce_per_microbatch", (bool,), "true or false") \
+        if "reduce_per_microbatch" in raw else False
+    if per_mb and zero < 2:
+        raise PiperDirectiveError(i, raw, f"reduce_per_microbatch reduce-scatters into gradient shards, which needs "
+                                  f"zero >= 2 (got zero={zero})", "use zero=2 or zero=3, or drop reduce_per_microbatch")
     bkey = "bucket_size" if "bucket_size" in raw else "bucket_mb"
     bucket = float(_check_type(i, raw, bkey, (int, float), "a size in MB")) if bkey in raw else 25.0
     if bucket <= 0:
@@ -185,7 +193,7 @@ def _parse_replicate(i: int, raw: dict) -> Replicate:
     devices = _devices(i, raw) if raw.get("devices") is not None else None
     streams = {k: _check_type(i, raw, k, (str,), "a string") for k in ("reduce_stream", "gather_stream") if k in raw}
     return Replicate(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices,
-                     bucket_size=bucket, zero=zero, prefetch=prefetch, **streams)
+                     bucket_size=bucket, zero=zero, prefetch=prefetch, reduce_per_microbatch=per_mb, **streams)
 
 
 def _parse_order(i: int, raw: dict) -> Order:

@@ -67,7 +67,7 @@ def apply_replicate(dag: TrainingDAG, d: Replicate, ctx: PassContext) -> Trainin
             devices = tuple(d.devices)
         dag.replace(n.with_(devices=devices).with_attrs(
             replicated=True, reduce_stream=d.reduce_stream, bucket_mb=d.bucket_size, replicated_by=d.index,
-            zero=d.zero, gather_stream=d.gather_stream, prefetch=d.prefetch))
+            zero=d.zero, gather_stream=d.gather_stream, prefetch=d.prefetch, reduce_mb=d.reduce_per_microbatch))
     return dag
 
 

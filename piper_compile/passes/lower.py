@@ -145,11 +145,38 @@ def _reduce_group(dag: TrainingDAG, group: tuple[int, ...], fqns: list[str], wri
         whole = [f for f in fqns if f in set(z.whole)]
         plan += [(f"AR.{label}.t{b}", Kind.ALL_REDUCE, bucket, 0) for b, bucket in enumerate(_buckets(whole, writers))]
     for name, kind, bucket, level in plan:
-        node = _sync_bucket(dag, name, kind, group, stream, bucket, writers, level)
+        if z is not None and z.per_microbatch and kind is Kind.REDUCE_SCATTER:
+            nodes = _sync_per_microbatch(dag, name, group, stream, bucket, writers, level)
+        else:
+            nodes = [_sync_bucket(dag, name, kind, group, stream, bucket, writers, level)]
         for f in bucket:
-            ready_after[f] = [node.name]
-        deps.append(node.name)
+            ready_after[f] = [n.name for n in nodes]
+        deps += [n.name for n in nodes]
     return deps
+
+
+def _sync_per_microbatch(dag: TrainingDAG, name: str, group: tuple[int, ...], stream: str,
+                         bucket: tuple[str, ...] | list[str], writers: dict[str, list[Node]], zero: int) -> list[Node]:
+    """ZeRO-2/3 with ``reduce_per_microbatch``: one reduce-scatter of the bucket after each micro-batch's
+    last writer, accumulated into the gradient shard; the next micro-batch writes the bucket only after
+    it (so a full bucket never lives across micro-batches)."""
+    by_mb: dict[int, list[Node]] = defaultdict(list)
+    for f in bucket:
+        for w in writers[f]:
+            by_mb[w.attr("mb", 0)].append(w)
+    nodes: list[Node] = []
+    for k in sorted(by_mb):
+        node = dag.add(Node(f"{name}.mb{k}", Kind.REDUCE_SCATTER, make_tags({"BUCKET": name.rsplit(".", 1)[1]}), group,
+                            stream, (), (), tuple(sorted({"params": tuple(bucket), "purpose": "grad", "zero": zero,
+                                                          "bucket": name.split(".", 1)[1], "accumulate": True,
+                                                          "mb": k}.items()))))
+        for w in by_mb[k]:
+            dag.add_order(w.name, node.name)
+        if nodes:
+            for w in by_mb[k]:
+                dag.add_order(nodes[-1].name, w.name)
+        nodes.append(node)
+    return nodes
 
 
 def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:

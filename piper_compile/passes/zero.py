@@ -30,6 +30,7 @@ class ZeroGroup:
     level: int
     gather_stream: str
     prefetch: int
+    per_microbatch: bool = False  # reduce-scatter after every micro-batch (ZeRO-2/3)
     buckets: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (bucket name, fqns)
     whole: list[str] = field(default_factory=list)  # params of the group kept unsharded (tied)
 
@@ -63,7 +64,7 @@ def zero_layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], Zer
         if n is None or seg.pass_ not in ("B", "BW") or not seg.grads:
             continue
         g = groups.setdefault(n.devices, ZeroGroup(n.devices, n.attr("zero"), n.attr("gather_stream", "dp_gather"),
-                                                   n.attr("prefetch", 1)))
+                                                   n.attr("prefetch", 1), bool(n.attr("reduce_mb", False))))
         fqns = [f for _, f in seg.grads]
         g.whole += [f for f in fqns if len(held.get(f, ())) > 1]
         sharded = tuple(f for f in fqns if len(held.get(f, ())) <= 1)

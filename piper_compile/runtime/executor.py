@@ -94,6 +94,7 @@ class Executor:
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight collectives whose owner let go
+        self._fold: dict[str, tuple[str, int]] = {}  # per-micro-batch reduce-scatters to fold when done
         self._max_norm = 0.0
         self._partner = overlap_partners(program)
         self._update = next((i.node for i in program.instrs if i.node.kind is Kind.UPDATE), None)
@@ -158,8 +159,13 @@ class Executor:
             return
         work, ins, pos = item
         self._keep.pop(name, None)
-        if work is None:
-            return
+        fold = self._fold.pop(name, None)
+        if work is not None:
+            self._block(work, ins, pos)
+        if fold is not None:
+            self.state.zero.fold(*fold)  # type: ignore[union-attr]
+
+    def _block(self, work: Any, ins: Instr, pos: int) -> None:
         if self.state.device.type == "cuda":
             # NCCL: wait() only makes the compute stream wait (no host block); the communicator's own
             # timeout (set from options["timeout"] when the group was created) aborts a stuck op.
@@ -285,7 +291,7 @@ class Executor:
             elif n.kind is Kind.ALL_REDUCE:
                 pending[n.name] = (self._all_reduce(ins, loss_sum, result), ins, pos)
             elif n.kind is Kind.REDUCE_SCATTER:
-                pending[n.name] = (self._reduce_scatter(ins), ins, pos)
+                pending[n.name] = (self._reduce_scatter(ins, pending), ins, pos)
                 self._note_grad_bytes(extra=self._keep[n.name])
             elif n.kind is Kind.ALL_GATHER:
                 work, views = self._all_gather(ins)
@@ -339,14 +345,22 @@ class Executor:
             held += self.state.zero.grad_shard_bytes()
         self.stats.peak_grad_bytes = max(self.stats.peak_grad_bytes, held)
 
-    def _reduce_scatter(self, ins: Instr) -> Any:
-        """ZeRO-2/3: the bucket's summed gradient, this rank's shard only; the full buffer is released."""
+    def _reduce_scatter(self, ins: Instr, pending: dict[str, tuple[Any, Instr, int]]) -> Any:
+        """ZeRO-2/3: the bucket's summed gradient, this rank's shard only; the full buffer is released.
+        The previous reduce-scatters are retired first (as FSDP does), so at most one full bucket is in
+        flight: polling cannot do it, gloo's reduce-scatter only reports completion once waited on."""
+        for name in list(self._keep):
+            self._wait(pending, name)
         n = ins.node
         self.stats.collectives["grad"] = self.stats.collectives.get("grad", 0) + 1
         assert self.state.zero is not None and self.grads is not None
         b = n.attr("bucket")
         full = self.grads.bucket(b)
-        out = self.state.zero.shard_grad(b, None)
+        if n.attr("accumulate"):  # one of several per step: summed into the shard when it finishes
+            out = self.state.zero.partial_shard(b, n.attr("mb"))
+            self._fold[n.name] = (b, n.attr("mb"))
+        else:
+            out = self.state.zero.shard_grad(b, None)
         self._keep[n.name] = full  # alive until the reduce-scatter completes
         self.grads.release(b)
         return reduce_scatter(out, full, self.groups.get(n.stream, n.devices))

@@ -65,6 +65,9 @@ class ShardBucket:
     shard: nn.Parameter | None = None
     grad_shard: torch.Tensor | None = None
     flat: torch.Tensor | None = None  # ZeRO-1/2: full flat parameters (the model's parameters are views)
+    in_flight: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> reduce-scatter output
+    done: dict[int, torch.Tensor] = field(default_factory=dict)  # finished, waiting for earlier micro-batches
+    next_mb: int = 0  # the next micro-batch to fold into grad_shard (folds happen in micro-batch order)
 
     @property
     def world(self) -> int:
@@ -187,13 +190,30 @@ class ZeroState:
         lo, hi = b.shard_range()
         return full_grad[lo:hi]
 
+    def partial_shard(self, name: str, mb: int) -> torch.Tensor:
+        """A fresh output for micro-batch ``mb``'s reduce-scatter of the bucket (see ``fold``)."""
+        b = self.buckets[name]
+        t = b.in_flight[mb] = torch.empty(b.shard_len, dtype=b.dtype, device=b.device)
+        return t
+
+    def fold(self, name: str, mb: int) -> None:
+        """Micro-batch ``mb``'s reduce-scatter finished: add the finished ones into the gradient shard in
+        micro-batch order (so the sum, and every number after it, does not depend on timing)."""
+        b = self.buckets[name]
+        b.done[mb] = b.in_flight.pop(mb)
+        while b.next_mb in b.done:
+            t = b.done.pop(b.next_mb)
+            b.grad_shard = t if b.grad_shard is None else b.grad_shard.add_(t)
+            b.next_mb += 1
+
     def release_grad_shards(self) -> None:
         """After the update: gradient shards are not kept between steps (as FSDP frees its gradients)."""
         for b in self.buckets.values():
-            b.grad_shard = None
+            b.grad_shard, b.next_mb = None, 0
 
     def grad_shard_bytes(self) -> int:
-        return sum(_nb(b.grad_shard) for b in self.buckets.values())
+        return sum(_nb(b.grad_shard) + sum(map(_nb, [*b.in_flight.values(), *b.done.values()]))
+                   for b in self.buckets.values())
 
     def nbytes(self) -> dict[str, int]:
         """Persistent bytes of this rank's ZeRO buffers (parameters and gradient shards)."""

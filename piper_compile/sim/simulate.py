@@ -251,6 +251,7 @@ def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
           for f in i.node.attr("params")}
     zero = zero_buckets(program)
     live: set[str] = set()
+    shards: set[str] = set()
     total = peak = persistent
     for ins in program.instrs:
         n = ins.node
@@ -268,6 +269,9 @@ def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
             peak = max(peak, total)
             live.discard(n.attr("bucket"))
             total -= shard * w
+            if n.attr("bucket") in shards:  # per micro-batch: folded into the shard already held
+                total -= shard
+            shards.add(n.attr("bucket"))
         peak = max(peak, total)
     return peak
 

@@ -293,3 +293,9 @@ def test_error_shows_the_directive_json() -> None:
     msg = _error({"op": "split", "num_microbatches": "4"}, index=3)
     assert '"num_microbatches": "4"' in msg and '"op": "split"' in msg
     assert msg.startswith("piper: directive #3 {")
+
+
+def test_reduce_per_microbatch_needs_sharded_gradients() -> None:
+    assert "needs zero >= 2" in _error({"op": "replicate", "filter": {}, "zero": 1, "reduce_per_microbatch": True})
+    (d,) = parse_directives([piper.replicate(zero=3, reduce_per_microbatch=True)])
+    assert d.reduce_per_microbatch and d.zero == 3
