@@ -113,7 +113,7 @@ def _sweep(make_run: Any, model: Any, spec: Spec, m: int, sizes: list[int]) -> d
 
 
 def piper_worker(rank: int, world: int, spec: Spec, m: int, sizes: list[int], bucket_mb: float, prefetch: int,
-                 mem: bool) -> RankResult:
+                 mem: bool, per_mb: bool = False) -> RankResult:
     import piper_compile as piper
 
     model = build_gpt(spec, untie=True)
@@ -124,7 +124,8 @@ def piper_worker(rank: int, world: int, spec: Spec, m: int, sizes: list[int], bu
     piper.annotate(model.ln_f, PP=STAGES - 1)
     piper.annotate(model.head, PP=STAGES - 1)
     directives = [*piper.pipeline(STAGES, ranks=[[0, 2], [1, 3]]),
-                  piper_replicate({"PP": "*"}, 3, bucket_mb, prefetch),
+                  piper_replicate({"PP": "*"}, 3, bucket_mb, prefetch,
+                                  **({"reduce_per_microbatch": True} if per_mb else {})),
                   piper.split(m), *piper.schedules.one_f_one_b(STAGES, m)]
     step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
                          options={"directives": directives, "codegen": spec.codegen,
@@ -224,6 +225,8 @@ def main() -> None:
                    help="piper replicate(bucket_mb=...); default: one transformer block's parameter MiB (the "
                         "peer's FSDP2 unit, fully_shard per block)")
     p.add_argument("--prefetch", type=int, default=1, help="piper replicate(prefetch=...)")
+    p.add_argument("--reduce-per-microbatch", action="store_true",
+                   help="piper replicate(reduce_per_microbatch=True): reduce-scatter after every micro-batch")
     p.add_argument("--peer-reshard-after-forward", type=int, choices=[0, 1], default=1,
                    help="fully_shard(reshard_after_forward=...) for the peer (1 = ZeRO-3)")
     p.add_argument("--no-mem", action="store_true", help="skip the profiled steps and the micro-batch sweep")
@@ -252,7 +255,7 @@ def main() -> None:
         try:
             ours = best_of(args.rounds, functools.partial(run_local, piper_worker, WORLD, spec, m, sizes,
                                                           bucket_mb, args.prefetch, mem,
-                                                          timeout_s=args.timeout))
+                                                          args.reduce_per_microbatch, timeout_s=args.timeout))
         except Exception as e:  # noqa: BLE001 - report and keep the peer's numbers
             err = f"FAILED: {type(e).__name__}"
             print(f"  piper failed:\n{short_error(e)}", flush=True)

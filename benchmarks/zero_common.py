@@ -135,12 +135,13 @@ def tensor_peak(run_step: Callable[[int], Any], first_index: int) -> dict[str, f
     return {"state": round(base / MiB, 2), "peak": round((base + max(0, high - level0)) / MiB, 2)}
 
 
-def piper_replicate(filter: dict[str, Any] | None, zero: int, bucket_mb: float, prefetch: int) -> dict[str, Any]:
+def piper_replicate(filter: dict[str, Any] | None, zero: int, bucket_mb: float, prefetch: int,
+                    **extra: Any) -> dict[str, Any]:
     """``piper.replicate(filter, zero=..., bucket_mb=..., prefetch=...)``; ``prefetch`` only when the builder
     takes it (the ZeRO work adds it)."""
     import piper_compile as piper
 
-    kw: dict[str, Any] = {"zero": zero, "bucket_mb": bucket_mb}
+    kw: dict[str, Any] = {"zero": zero, "bucket_mb": bucket_mb, **extra}
     if "prefetch" in inspect.signature(piper.replicate).parameters:
         kw["prefetch"] = prefetch
     return piper.replicate(filter, **kw)
