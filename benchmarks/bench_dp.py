@@ -21,20 +21,14 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
-                    global_batches, load_note, print_ratios, print_table, timed_loop)
+                    eager_dp_step, global_batches, load_note, local_batch, print_ratios, print_table,
+                    timed_loop, to_global_mean)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
-
-
-def _local(batches: list[tuple[torch.Tensor, torch.Tensor]], i: int, rank: int, n: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = batches[i]
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
 def piper_worker(rank: int, world: int, spec: Spec) -> RankResult:
@@ -45,7 +39,7 @@ def piper_worker(rank: int, world: int, spec: Spec) -> RankResult:
     step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
                          options={"directives": [piper.replicate()], "codegen": spec.codegen,
                                   "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)})
-    res = timed_loop(lambda i: step(*_local(batches, i, rank, spec.batch)), spec)
+    res = timed_loop(lambda i: step(*local_batch(batches, i, rank, spec.batch)), spec)
     stats = piper.last_stats(step)
     cs = piper.compiled_steps(step)[0]
     res.extra = {"collectives": dict(stats.collectives), "compute": stats.compute,
@@ -62,18 +56,7 @@ def ddp_worker(rank: int, world: int, spec: Spec, compiled: bool) -> RankResult:
     opt = torch.optim.AdamW(ddp.parameters(), lr=spec.lr)
     fwd = torch.compile(ddp) if compiled else ddp
 
-    def step(i: int) -> torch.Tensor:
-        loss = fwd(*_local(batches, i, rank, spec.batch))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    res = timed_loop(step, spec)
-    mean = torch.tensor(res.losses)
-    dist.all_reduce(mean)  # after timing: the global mean loss per step, as piper returns it
-    res.losses = (mean / world).tolist()
-    return res
+    return to_global_mean(timed_loop(eager_dp_step(fwd, opt, batches, rank, spec.batch), spec), world)
 
 
 VARIANTS = {
@@ -135,7 +118,7 @@ def _profiled_piper(rank: int, world: int, spec: Spec) -> str:
     def run(i: int) -> torch.Tensor:
         if prof is not None and i == spec.warmup:
             prof.enable()
-        return step(*_local(batches, i, rank, spec.batch))
+        return step(*local_batch(batches, i, rank, spec.batch))
 
     timed_loop(run, spec)
     if prof is None:

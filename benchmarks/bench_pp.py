@@ -107,19 +107,25 @@ def pipelining_worker(rank: int, world: int, spec: Spec, schedule: str, microbat
     first, last = rank == 0, rank == world - 1
 
     def step(i: int) -> torch.Tensor | None:
-        x, y = batches[i]
-        losses: list[torch.Tensor] = []
-        if first:
-            sched.step(x)
-        elif last:
-            sched.step(target=y, losses=losses)
-        else:
-            sched.step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return torch.stack(losses).mean() if last else None
+        return pipelining_step(sched, opt, *batches[i], first, last)
 
     return timed_loop(step, spec)
+
+
+def pipelining_step(sched: object, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, first: bool,
+                    last: bool) -> torch.Tensor | None:
+    """One training step of a ``torch.distributed.pipelining`` schedule: inputs on the first stage,
+    targets on the last; returns the mean micro-batch loss on the last stage."""
+    losses: list[torch.Tensor] = []
+    if first:
+        sched.step(x)  # type: ignore[attr-defined]
+    elif last:
+        sched.step(target=y, losses=losses)  # type: ignore[attr-defined]
+    else:
+        sched.step()  # type: ignore[attr-defined]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return torch.stack(losses).mean() if last else None
 
 
 def main() -> None:

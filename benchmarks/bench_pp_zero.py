@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pp import StageModule, _ce  # noqa: E402
+from bench_pp import StageModule, _ce, pipelining_step  # noqa: E402
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
                     global_batches, load_note, peak_rss_mib, timed_loop)
 from zero_common import (block_mib, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
@@ -169,17 +169,7 @@ def pipelining_worker(rank: int, world: int, spec: Spec, m: int, sizes: list[int
         sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=_ce)
 
         def run(i: int) -> torch.Tensor | None:
-            x, y = _slice(bs[i % len(bs)], rank)
-            losses: list[torch.Tensor] = []
-            if first:
-                sched.step(x)
-            elif last:
-                sched.step(target=y, losses=losses)
-            else:
-                sched.step()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return torch.stack(losses).mean() if last else None
+            return pipelining_step(sched, opt, *_slice(bs[i % len(bs)], rank), first, last)
         return run
 
     run = make_run(batches)

@@ -58,12 +58,11 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
-                    global_batches, load_note, timed_loop)
+                    eager_dp_step, global_batches, load_note, local_batch, timed_loop, to_global_mean)
 from zero_common import (block_mib, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
                          state_breakdown, tensor_peak)
 
@@ -71,12 +70,6 @@ from piper_compile.testing.launch import run_local  # noqa: E402
 
 PEER_NAMES = {0: "DDP+AdamW", 1: "DDP+ZeroRedundancyOptimizer", 2: "FSDP2 reshard_after_forward=False",
               3: "FSDP2 reshard_after_forward=True"}
-
-
-def _local(batches: list[tuple[torch.Tensor, torch.Tensor]], i: int, rank: int, n: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = batches[i % len(batches)]
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
 def _finish(res: RankResult, run: Any, params: list[torch.nn.Parameter], opt: Any, spec: Spec, mem: bool) -> None:
@@ -98,7 +91,7 @@ def piper_worker(rank: int, world: int, spec: Spec, zero: int, bucket_mb: float,
                                   "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)})
 
     def run(i: int) -> torch.Tensor:
-        return step(*_local(batches, i, rank, spec.batch))
+        return step(*local_batch(batches, i, rank, spec.batch))
 
     res = timed_loop(run, spec)
     res.extra = piper_extra(step)
@@ -128,17 +121,8 @@ def peer_worker(rank: int, world: int, spec: Spec, zero: int, mem: bool) -> Rank
         fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3)
         net, opt, set_to_none = model, adamw(model.parameters()), True
 
-    def run(i: int) -> torch.Tensor:
-        loss = net(*_local(batches, i, rank, spec.batch))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-        return loss
-
-    res = timed_loop(run, spec)
-    mean = torch.tensor(res.losses)
-    dist.all_reduce(mean)  # after timing: the global mean loss per step, as piper returns it
-    res.losses = (mean / world).tolist()
+    run = eager_dp_step(net, opt, batches, rank, spec.batch, set_to_none)
+    res = to_global_mean(timed_loop(run, spec), world)
     _finish(res, run, list(model.parameters()), opt, spec, mem)
     return res
 

@@ -71,17 +71,7 @@ def fsdp_worker(rank: int, world: int, reshard_after_forward: bool) -> list[floa
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(gpt, mesh=mesh, reshard_after_forward=reshard_after_forward)
     assert type(gpt.blocks[0].qkv.weight).__name__ == "DTensor"
-    opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
-    n = GLOBAL // world
-    out = []
-    for i in range(STEPS):
-        x, y = _batch(i)
-        loss = gpt(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return _global_mean(out, world)
+    return _train(gpt, torch.optim.AdamW(gpt.parameters(), lr=1e-3), rank, world)
 
 
 def zero_optimizer_worker(rank: int, world: int) -> list[float]:
@@ -89,12 +79,17 @@ def zero_optimizer_worker(rank: int, world: int) -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(_gpt(False), gradient_as_bucket_view=True)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    return _train(ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3),
+                  rank, world)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
+    """STEPS data-parallel steps on this rank's slice of each global batch; the global-mean losses."""
     n = GLOBAL // world
     out = []
     for i in range(STEPS):
         x, y = _batch(i)
-        loss = ddp(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        loss = model(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -138,6 +138,34 @@ class RankResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def local_batch(batches: list[tuple[torch.Tensor, torch.Tensor]], i: int, rank: int, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's ``n`` sequences of global batch ``i`` (cycling through ``batches``)."""
+    x, y = batches[i % len(batches)]
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def eager_dp_step(net: Callable[..., torch.Tensor], opt: torch.optim.Optimizer,
+                  batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int, n: int,
+                  set_to_none: bool = True) -> Callable[[int], torch.Tensor]:
+    """An eager data-parallel training step (forward, backward, optimizer step) on step ``i``'s batch."""
+    def step(i: int) -> torch.Tensor:
+        loss = net(*local_batch(batches, i, rank, n))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return loss
+    return step
+
+
+def to_global_mean(res: "RankResult", world: int) -> "RankResult":
+    """After timing: replace this rank's losses by the global mean loss per step, as piper returns it."""
+    mean = torch.tensor(res.losses)
+    dist.all_reduce(mean)
+    res.losses = (mean / world).tolist()
+    return res
+
+
 def timed_loop(step: Callable[[int], torch.Tensor | None], spec: Spec) -> RankResult:
     """Run ``step(i)`` for warm-up + timed steps with a barrier before each; ``step`` returns its loss."""
     times: list[float] = []

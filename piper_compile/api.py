@@ -77,23 +77,25 @@ def explain(step: Any, forward_only: bool = False) -> str:
 
 def last_stats(step: Any) -> Any:
     """Counters of the most recent training step on this rank (collectives, P2P, peak live bytes)."""
+    return trained_step(step).plans[False].executor.stats
+
+
+def trained_step(step: Any) -> CompiledStep:
+    """The training variant of ``step`` (after its first training call)."""
     for cs in compiled_steps(step):
         if False in cs.plans:
-            return cs.plans[False].executor.stats
+            return cs
     raise PiperError("piper: the step has not trained yet")
 
 
 def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
     """Full current values (copies) of the parameters this rank's device group updates, by FQN. ZeRO
     shards are all-gathered, so every rank of a ZeRO group must call this together."""
-    st = _state(step, create=False)
-    cs = next((c for c in compiled_steps(step) if False in c.plans), None)
-    if st is None or cs is None:
-        raise PiperError("piper: the step has not trained yet")
-    upd = next((i.node for i in cs.plans[False].programs[cs.rank].instrs if i.node.attr("params") is not None
-                and i.node.kind.name == "UPDATE"), None)
+    cs = trained_step(step)
+    upd = cs.plans[False].programs[cs.rank].update_node()
     names = list(upd.attr("params")) if upd is not None else []
-    gathered = st.gather_zero(cs.plans[False].executor.groups) if st.zero is not None else {}
+    zero = cs.state.zero if cs.state is not None else None
+    gathered = zero.gather_full(cs.plans[False].executor.groups) if zero is not None else {}
     return {f: gathered[f] if f in gathered else cs.joint.params[f].detach().clone() for f in names}
 
 

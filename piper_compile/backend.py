@@ -21,7 +21,7 @@ from piper_compile.directives.spec import (
     Directive, Replicate, filter_matches, parse_directives, split_backward_filters,
 )
 from piper_compile.errors import PiperDirectiveError, PiperError
-from piper_compile.ir.dag import TrainingDAG
+from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.passes.build import build_dag
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.driver import run_passes
@@ -238,11 +238,12 @@ class CompiledStep:
 
 def _unread_params(dag: TrainingDAG, program: Program) -> set[str]:
     """Trained parameters that no instruction of ``program`` reads or updates (other stages' weights)."""
-    trained = {f for n in dag if n.kind.name == "UPDATE" for f in n.attr("params")}
-    mine = {v[len("param:"):].split("#", 1)[0] for i in program.instrs for v in i.node.inputs if v.startswith("param:")}
-    mine |= {f for i in program.instrs if i.node.kind.name == "UPDATE" for f in i.node.attr("params")}
-    mine |= {f for i in program.instrs if i.node.kind.name == "ALL_GATHER" for f in i.node.attr("params") or ()}
-    return trained - mine
+    trained = {f for n in dag.of_kind(Kind.UPDATE) for f in n.attr("params")}
+    mine = {param_fqn(v) for i in program.instrs for v in i.node.inputs} - {None}
+    upd = program.update_node()
+    mine |= set(upd.attr("params")) if upd is not None else set()
+    mine |= {f for i in program.instrs if i.node.kind is Kind.ALL_GATHER for f in i.node.attr("params") or ()}
+    return trained - mine  # type: ignore[return-value]
 
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,

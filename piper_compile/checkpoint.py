@@ -51,9 +51,8 @@ from torch import nn
 
 from piper_compile.api import _module_of, _state
 from piper_compile.errors import PiperError
-from piper_compile.ir.dag import Kind
 from piper_compile.runtime import state as _state_mod
-from piper_compile.runtime.zero import ShardBucket, all_gather, free_storage
+from piper_compile.runtime.zero import ShardBucket, ensure_storage, free_storage
 
 __all__ = ["full_state_dict", "load", "load_full_state_dict", "materialize_optimizer_state", "save",
            "sharded_state_dict"]
@@ -194,13 +193,13 @@ class _Ctx:
 
     @functools.cached_property
     def trained(self) -> list[str]:
-        u = _update_node(self.programs[self.rank])
+        u = self.programs[self.rank].update_node()
         return list(u.attr("params")) if u is not None else []
 
     @functools.cached_property
     def update_shards(self) -> list[str]:
         """The ZeRO buckets this rank's update steps (by the training program)."""
-        u = _update_node(self.programs[self.rank])
+        u = self.programs[self.rank].update_node()
         return sorted(u.attr("shards") or ()) if u is not None else []
 
     @property
@@ -220,7 +219,7 @@ class _Ctx:
         """fqn -> the ranks that update it."""
         out: dict[str, list[int]] = {}
         for p in self.programs:
-            u = _update_node(p)
+            u = p.update_node()
             for f in (u.attr("params") if u is not None else ()):
                 out.setdefault(f, []).append(p.rank)
         return out
@@ -245,10 +244,6 @@ class _Ctx:
     @property
     def groups(self) -> Any:
         return _groups_of(self.st)
-
-
-def _update_node(program: Any) -> Any:
-    return next((i.node for i in program.instrs if i.node.kind is Kind.UPDATE), None)
 
 
 _PROGRAMS: "weakref.WeakKeyDictionary[Any, list[Any]]" = weakref.WeakKeyDictionary()
@@ -534,7 +529,7 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
     if z is not None and z.sharded:
         for name in sorted(z.buckets):
             b = z.buckets[name]
-            vals.update({f: v.clone() for f, v in b.views(_full_flat(z, b, ctx.groups)).items()})
+            vals.update({f: v.clone() for f, v in b.views(z.full_flat(b.name, ctx.groups)).items()})
     for f, p in ctx.params.items():
         if f not in vals:  # a released parameter (another stage's) has no storage: its owner sends it
             vals[f] = p.detach().clone() if p.untyped_storage().nbytes() else torch.empty(p.shape, dtype=p.dtype,
@@ -545,16 +540,6 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
             if own and len(own) < ctx.world:
                 dist.broadcast(vals[f], src=min(own))
     return vals
-
-
-def _full_flat(z: Any, b: ShardBucket, groups: Any) -> torch.Tensor:
-    if b.level <= 2 and b.flat is not None:
-        return b.flat
-    if b.world == 1:
-        return z.gather_input(b)
-    flat = torch.empty(b.padded, dtype=b.dtype, device=b.device)
-    all_gather(flat, z.gather_input(b), groups.get(b.stream, b.devices)).wait()
-    return flat
 
 
 def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = True) -> Any:
@@ -618,7 +603,7 @@ def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str
     groups = _groups_of(st)
     full: dict[int, torch.Tensor] = {}
     for b in z3:
-        for f, v in b.views(_full_flat(z, b, groups)).items():
+        for f, v in b.views(z.full_flat(b.name, groups)).items():
             full[id(st.named[f])] = v.clone()
     for key, p in _names(module, prefix):
         if id(p) in full and key in sd:
@@ -629,9 +614,7 @@ def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
     """ZeRO-3: give the parameters storage (holding this rank's pieces) so load_state_dict can copy;
     released parameters (other stages') get storage for the copy too."""
     for f in sorted(st.released):
-        p = st.named[f]
-        if p.untyped_storage().nbytes() == 0:
-            p.untyped_storage().resize_(p.numel() * p.element_size())
+        ensure_storage(st.named[f])
     z = st.zero
     if z is None or not z.sharded:
         return
@@ -640,10 +623,8 @@ def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
             if b.level < 3:
                 continue
             for f in b.fqns:
-                p = st.named[f]
-                if p.untyped_storage().nbytes() == 0:
-                    p.untyped_storage().resize_(p.numel() * p.element_size())
-                    p.zero_()
+                if ensure_storage(st.named[f]):
+                    st.named[f].zero_()
             src = b.shard.detach()
             for f, p_start, s_start, n in b.local_pieces():
                 st.named[f].view(-1)[p_start:p_start + n].copy_(src[s_start:s_start + n])

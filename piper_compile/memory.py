@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-from piper_compile.errors import PiperError
-from piper_compile.ir.dag import Kind
 
 # optimizer state tensors per parameter element (torch.optim defaults); others count as Adam-like
 _STATE_PER_PARAM = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
@@ -104,9 +102,7 @@ def memory_report(step: Any) -> MemoryReport:
     buffers (parameter storage actually held, gradient buffers, optimizer state tensors, and the last
     step's peaks) and predicted by the simulator from the same programs (optimizer state as the
     optimizer's state tensors per parameter, e.g. 2 for AdamW)."""
-    from piper_compile.api import compiled_steps
+    from piper_compile.api import trained_step
 
-    cs = next((c for c in compiled_steps(step) if False in c.plans), None)
-    if cs is None:
-        raise PiperError("piper: memory_report needs a step that has trained at least once")
+    cs = trained_step(step)
     return MemoryReport(cs.rank, _measured(cs), _predicted(cs))

@@ -48,6 +48,17 @@ _COLLECTIVE_KINDS = frozenset(
 _COMM_KINDS = _COLLECTIVE_KINDS | {Kind.SEND, Kind.RECV}
 
 
+PARAM_PREFIX = "param:"
+
+
+def param_fqn(value: str) -> str | None:
+    """The parameter FQN a value names: ``param:fqn`` (external) or ``param:fqn#step`` (a copy all-gathered
+    for one compute step under ZeRO-3); ``None`` for any other value."""
+    if not value.startswith(PARAM_PREFIX):
+        return None
+    return value[len(PARAM_PREFIX):].split("#", 1)[0]
+
+
 def make_tags(d: dict[str, TagValue]) -> Tags:
     """Canonical (sorted) tuple form of a tag dict."""
     return tuple(sorted(d.items()))

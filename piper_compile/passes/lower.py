@@ -118,15 +118,15 @@ def _buckets(fqns: list[str], writers: dict[str, list[Node]]) -> list[list[str]]
     return out
 
 
-def _sync_bucket(dag: TrainingDAG, name: str, kind: Kind, group: tuple[int, ...], stream: str,
-                 bucket: list[str] | tuple[str, ...], writers: dict[str, list[Node]], zero: int) -> Node:
-    """One gradient reduction (all-reduce or reduce-scatter) of a bucket, after its last writer."""
-    node = dag.add(Node(name, kind, make_tags({"BUCKET": name.rsplit(".", 1)[1]}), group, stream, (), (),
+def _sync_node(dag: TrainingDAG, name: str, kind: Kind, group: tuple[int, ...], stream: str,
+               bucket: list[str] | tuple[str, ...], after: list[Node], zero: int, suffix: str = "",
+               **extra: object) -> Node:
+    """One gradient reduction (all-reduce or reduce-scatter) of a bucket, ordered after ``after``."""
+    node = dag.add(Node(name + suffix, kind, make_tags({"BUCKET": name.rsplit(".", 1)[1]}), group, stream, (), (),
                         tuple(sorted({"params": tuple(bucket), "purpose": "grad", "zero": zero,
-                                      "bucket": name.split(".", 1)[1]}.items()))))
-    for f in bucket:
-        for w in writers[f]:
-            dag.add_order(w.name, node.name)
+                                      "bucket": name.split(".", 1)[1], **extra}.items()))))
+    for w in after:
+        dag.add_order(w.name, node.name)
     return node
 
 
@@ -145,10 +145,11 @@ def _reduce_group(dag: TrainingDAG, group: tuple[int, ...], fqns: list[str], wri
         whole = [f for f in fqns if f in set(z.whole)]
         plan += [(f"AR.{label}.t{b}", Kind.ALL_REDUCE, bucket, 0) for b, bucket in enumerate(_buckets(whole, writers))]
     for name, kind, bucket, level in plan:
+        writes = [w for f in bucket for w in writers[f]]
         if z is not None and z.per_microbatch and kind is Kind.REDUCE_SCATTER:
-            nodes = _sync_per_microbatch(dag, name, group, stream, bucket, writers, level)
+            nodes = _sync_per_microbatch(dag, name, group, stream, bucket, writes, level)
         else:
-            nodes = [_sync_bucket(dag, name, kind, group, stream, bucket, writers, level)]
+            nodes = [_sync_node(dag, name, kind, group, stream, bucket, writes, level)]
         for f in bucket:
             ready_after[f] = [n.name for n in nodes]
         deps += [n.name for n in nodes]
@@ -156,26 +157,20 @@ def _reduce_group(dag: TrainingDAG, group: tuple[int, ...], fqns: list[str], wri
 
 
 def _sync_per_microbatch(dag: TrainingDAG, name: str, group: tuple[int, ...], stream: str,
-                         bucket: tuple[str, ...] | list[str], writers: dict[str, list[Node]], zero: int) -> list[Node]:
+                         bucket: tuple[str, ...] | list[str], writes: list[Node], zero: int) -> list[Node]:
     """ZeRO-2/3 with ``reduce_per_microbatch``: one reduce-scatter of the bucket after each micro-batch's
     last writer, accumulated into the gradient shard; the next micro-batch writes the bucket only after
     it (so a full bucket never lives across micro-batches)."""
     by_mb: dict[int, list[Node]] = defaultdict(list)
-    for f in bucket:
-        for w in writers[f]:
-            by_mb[w.attr("mb", 0)].append(w)
+    for w in writes:
+        by_mb[w.attr("mb", 0)].append(w)
     nodes: list[Node] = []
     for k in sorted(by_mb):
-        node = dag.add(Node(f"{name}.mb{k}", Kind.REDUCE_SCATTER, make_tags({"BUCKET": name.rsplit(".", 1)[1]}), group,
-                            stream, (), (), tuple(sorted({"params": tuple(bucket), "purpose": "grad", "zero": zero,
-                                                          "bucket": name.split(".", 1)[1], "accumulate": True,
-                                                          "mb": k}.items()))))
-        for w in by_mb[k]:
-            dag.add_order(w.name, node.name)
-        if nodes:
+        nodes.append(_sync_node(dag, name, Kind.REDUCE_SCATTER, group, stream, bucket, by_mb[k], zero,
+                                f".mb{k}", accumulate=True, mb=k))
+        if len(nodes) > 1:
             for w in by_mb[k]:
-                dag.add_order(nodes[-1].name, w.name)
-        nodes.append(node)
+                dag.add_order(nodes[-2].name, w.name)
     return nodes
 
 
@@ -189,7 +184,6 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     writers = _grad_writers(dag)
     held = holders(dag)
     layout = zero_layout(dag, ctx)
-    dag.meta.setdefault("zero", {}).update(layout)
     index = {name: i for i, name in enumerate(dag.nodes)}
     by_group: dict[tuple[int, ...], list[str]] = defaultdict(list)
     for fqn, ws in writers.items():

@@ -12,11 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.ir.dag import PARAM_PREFIX as PARAM, Kind, Node, TrainingDAG, param_fqn
 from piper_compile.passes.context import PassContext
-
-PARAM = "param:"
-
 
 def group_label(devices: tuple[int, ...]) -> str:
     return "r" + "_".join(map(str, devices))
@@ -42,15 +39,22 @@ def holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
     """Device groups that read each parameter."""
     out: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for n in dag.of_kind(Kind.COMPUTE):
-        for v in n.inputs:
-            if v.startswith(PARAM):
-                out[v[len(PARAM):].split("#", 1)[0]].add(n.devices)
+        for f in map(param_fqn, n.inputs):
+            if f is not None:
+                out[f].add(n.devices)
     return out
 
 
 def zero_layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGroup]:
     """Shard buckets of every group replicated with zero >= 1 over more than one rank; the same in the
-    training and the forward-only DAG (it is derived from the segments, not from the backward nodes)."""
+    training and the forward-only DAG (it is derived from the segments, not from the backward nodes).
+    Computed once per DAG and kept in ``dag.meta["zero"]``."""
+    if "zero" not in dag.meta:
+        dag.meta["zero"] = _layout(dag, ctx)
+    return dag.meta["zero"]
+
+
+def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGroup]:
     by_region: dict[object, Node] = {}
     for n in dag.of_kind(Kind.COMPUTE):
         if n.attr("zero", 0) and len(n.devices) > 1:
@@ -87,7 +91,6 @@ def insert_param_gather(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     layout = {g: z for g, z in zero_layout(dag, ctx).items() if z.level >= 3}
     if not layout:
         return dag
-    dag.meta.setdefault("zero", {}).update(layout)
     order = _compute_order(dag)
     for group, z in layout.items():
         _gather_for_group(dag, [n for n in order if n.devices == group], z)
@@ -102,9 +105,9 @@ def _gather_for_group(dag: TrainingDAG, steps: list[Node], z: ZeroGroup) -> None
     last: dict[str, tuple[int, str]] = {}  # bucket -> (index of the step that last gathered it, AG name)
     for i, n in enumerate(steps):
         needed: dict[str, list[str]] = defaultdict(list)
-        for v in n.inputs:
-            if v.startswith(PARAM) and v[len(PARAM):] in bucket_of:
-                needed[bucket_of[v[len(PARAM):]]].append(v[len(PARAM):])
+        for f in map(param_fqn, n.inputs):
+            if f in bucket_of:
+                needed[bucket_of[f]].append(f)
         rename: dict[str, str] = {}
         for b in sorted(needed, key=lambda b: int(b.rsplit(".b", 1)[1])):
             prev = last.get(b)

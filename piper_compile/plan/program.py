@@ -61,6 +61,10 @@ class Program:
     rank: int
     instrs: list[Instr] = field(default_factory=list)
 
+    def update_node(self) -> Node | None:
+        """This rank's UPDATE (the optimizer step of its device group), if it trains anything."""
+        return next((i.node for i in self.instrs if i.node.kind is Kind.UPDATE), None)
+
     def to_text(self) -> str:
         """``F1.mb3  SEND.x->r2  B1.mb2  AR.b0@dp  UPD`` -- one line per instruction with waits/frees."""
         lines = [f"rank {self.rank}: " + "  ".join(i.short() for i in self.instrs)]

@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT, JointGraph, eval_sym
 from piper_compile.errors import PiperRuntimeError
-from piper_compile.ir.dag import Kind
+from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime.groups import GroupRegistry
 from piper_compile.runtime.state import GradBuffers, TrainState
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import reduce_scatter
+from piper_compile.runtime.zero import tensor_bytes as _nbytes
 
 
 @dataclass
@@ -36,10 +37,6 @@ class StepStats:
     peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
     reordered: int = 0  # compute steps run ahead of a predecessor still waiting for its input
     seconds: float = 0.0
-
-
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def _split_mb(name: str) -> tuple[str, int | None]:
@@ -95,9 +92,10 @@ class Executor:
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight collectives whose owner let go
         self._fold: dict[str, tuple[str, int]] = {}  # per-micro-batch reduce-scatters to fold when done
-        self._max_norm = 0.0
+        norm = next((i.node for i in program.instrs if i.node.attr("purpose") == "gradnorm"), None)
+        self._max_norm = float(norm.attr("max_norm")) if norm is not None else 0.0  # options["clip_grad_norm"]
         self._partner = overlap_partners(program)
-        self._update = next((i.node for i in program.instrs if i.node.kind is Kind.UPDATE), None)
+        self._update = program.update_node()
 
     # -- externals -------------------------------------------------------------------------------
     def _symbols(self, args: list[Any], mb_size: int) -> dict[str, int]:
@@ -135,15 +133,6 @@ class Executor:
         return v
 
     # -- waiting -----------------------------------------------------------------------------------
-    def _drop_finished(self, pending: dict[str, tuple[Any, Instr, int]]) -> None:
-        """Let go of the full gradient buckets whose reduce-scatter has finished (the wait comes later, at
-        the update; holding every bucket until then would keep a whole model of gradients alive)."""
-        for name in list(self._keep):
-            item = pending.get(name)
-            if item is None or item[0] is None or item[0].is_completed():
-                self._wait(pending, name)  # finished: retire the work (it references the bucket too)
-                self._keep.pop(name, None)
-
     @staticmethod
     def _blocked(ins: Instr, pending: dict[str, tuple[Any, Instr, int]]) -> bool:
         """Whether one of ``ins``'s waits is still in flight (never blocks)."""
@@ -271,8 +260,6 @@ class Executor:
             rec.begin()
             if n.kind is Kind.COMPUTE:
                 compute(ins)
-                if self._keep:
-                    self._drop_finished(pending)
             elif n.kind is Kind.SEND:
                 t = self.grads.view(n.attr("state")) if n.attr("state") else get(n.inputs[0])
                 t = t.contiguous()
@@ -330,8 +317,7 @@ class Executor:
             result["loss"] = t
         elif n.attr("purpose") == "gradnorm":
             assert self._update is not None and self.grads is not None
-            t = result["gradnorm"] = self.state.local_grad_sq(self._update, self.grads, self.joint, self.rank)
-            self._max_norm = float(n.attr("max_norm"))
+            t = result["gradnorm"] = self.state.local_grad_sq(self._update, self.grads, self.rank)
         else:
             t = self.grads.bucket(n.attr("bucket"))
         if len(n.devices) == 1:
@@ -377,7 +363,7 @@ class Executor:
             return zero.post_update_gather(n.attr("bucket"), group), {}
         flat, work = zero.gather(n.attr("bucket"), group)
         views = zero.buckets[n.attr("bucket")].views(flat)
-        return work, {v: views[v[len("param:"):].split("#", 1)[0]] for v in n.outputs}
+        return work, {v: views[param_fqn(v)] for v in n.outputs}
 
     def _group(self, ins: Instr) -> Any:
         return self.groups.get(ins.group_name(self.rank), tuple(range(dist.get_world_size())))

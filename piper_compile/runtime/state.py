@@ -73,7 +73,7 @@ class GradBuffers:
             elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
                 others.append(n.attr("state"))
             elif n.kind is Kind.UPDATE:
-                others += [f for f in n.attr("params")]
+                others += list(n.attr("params"))
         return cls(joint.params, buckets, others)
 
     def zero_(self) -> None:
@@ -172,11 +172,6 @@ class TrainState:
         for fn in pending:  # what one re-registers waits for the next call
             fn(step)
 
-    def gather_zero(self, groups: Any) -> dict[str, torch.Tensor]:
-        """Full copies of every sharded parameter of this rank's group (collective over the group)."""
-        assert self.zero is not None
-        return self.zero.gather_full(groups)
-
     def _optimizer_params(self) -> list[nn.Parameter]:
         if self.zero is None or not self.zero.sharded:
             return list(self.params)
@@ -184,13 +179,17 @@ class TrainState:
         shards = [b.shard for b in self.zero.buckets.values()]
         return [p for p in shards if p is not None] + [p for f, p in self.named.items() if f not in sharded]
 
-    def _rewire_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        """An optimizer made before sharding (piper.optimizer(step) before the first call) now updates
-        the shards instead of the full parameters."""
+    @staticmethod
+    def _check_one_group(opt: torch.optim.Optimizer) -> None:
         if len(opt.param_groups) != 1:
             raise PiperError(f"piper: ZeRO flattens parameters into per-bucket shards, so the optimizer must have "
                              f"one parameter group; options['optimizer'] made {len(opt.param_groups)}. Use one group "
                              "(per-group settings such as no weight decay on biases are not supported with zero>0)")
+
+    def _rewire_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer made before sharding (piper.optimizer(step) before the first call) now updates
+        the shards instead of the full parameters."""
+        self._check_one_group(opt)
         if any(opt.state.values()):
             raise PiperError("piper: the optimizer already has state from steps on the full parameters; create it "
                              "through options['optimizer'] and let piper step it")
@@ -203,8 +202,8 @@ class TrainState:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"piper: options['optimizer'] must return a torch.optim.Optimizer, got "
                                 f"{type(opt).__name__}; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
-            if self.zero is not None and self.zero.sharded and len(opt.param_groups) != 1:
-                self._rewire_optimizer(opt)  # raises the one-group error
+            if self.zero is not None and self.zero.sharded:
+                self._check_one_group(opt)
             self.optimizer = opt
         return self.optimizer
 
@@ -219,30 +218,29 @@ class TrainState:
         self.broadcast_done = True
 
     # -- the update ------------------------------------------------------------------------------
-    def _grad_pairs(self, node: Any, grads: GradBuffers, joint: JointGraph) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        shards = node.attr("shards") or ()
-        sharded = {f for b in shards for f in self.zero.buckets[b].fqns} if self.zero is not None else set()
-        pairs = [(joint.params[f], grads.view(f)) for f in node.attr("params") if f not in sharded]
-        for b in shards:
+    def _shard_grads(self, node: Any, grads: GradBuffers) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(shard, its gradient) for every ZeRO bucket the UPDATE ``node`` steps."""
+        out = []
+        for b in node.attr("shards") or ():
             bk = self.zero.buckets[b]  # type: ignore[union-attr]
-            full = grads.bucket(b) if bk.level == 1 else None
-            pairs.append((bk.shard, self.zero.shard_grad(b, full)))  # type: ignore[union-attr]
-        return pairs
+            full = grads.bucket(b) if bk.level == 1 else None  # ZeRO-1: a slice of the all-reduced bucket
+            out.append((bk.shard, self.zero.shard_grad(b, full)))  # type: ignore[union-attr]
+        return out
 
-    def local_grad_sq(self, node: Any, grads: GradBuffers, joint: JointGraph, rank: int) -> torch.Tensor:
+    def _whole(self, node: Any, fqns: Iterable[str]) -> list[str]:
+        """Those of ``fqns`` that ``node`` updates whole (not through a ZeRO shard)."""
+        sharded = {f for b in node.attr("shards") or () for f in self.zero.buckets[b].fqns}  # type: ignore[union-attr]
+        return [f for f in fqns if f not in sharded]
+
+    def local_grad_sq(self, node: Any, grads: GradBuffers, rank: int) -> torch.Tensor:
         """This rank's share of the squared global gradient norm: every gradient counted once in the
         world (shards by their owner, whole gradients by the first rank of the group that wrote them)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        own = set(node.attr("norm_params") or ())
-        shards = node.attr("shards") or ()
-        sharded = {f for b in shards for f in self.zero.buckets[b].fqns} if self.zero is not None else set()
         if rank == node.devices[0]:
-            for f in sorted(own - sharded):
+            for f in self._whole(node, sorted(node.attr("norm_params") or ())):
                 total += grads.view(f).float().pow(2).sum()
-        for b in shards:
-            bk = self.zero.buckets[b]  # type: ignore[union-attr]
-            full = grads.bucket(b) if bk.level == 1 else None
-            total += self.zero.shard_grad(b, full).float().pow(2).sum()  # type: ignore[union-attr]
+        for _, g in self._shard_grads(node, grads):
+            total += g.float().pow(2).sum()
         return total
 
     def apply_update(self, node: Any, grads: GradBuffers, joint: JointGraph,
@@ -250,7 +248,8 @@ class TrainState:
         """The optimizer step for this rank's parameters (or shards), or the gradients into ``param.grad``.
         ``grad_sq``: the global squared gradient norm when clipping to ``max_norm``."""
         opt = self.get_optimizer()
-        pairs = self._grad_pairs(node, grads, joint)
+        pairs = [(joint.params[f], grads.view(f)) for f in self._whole(node, node.attr("params"))]
+        pairs += self._shard_grads(node, grads)
         if opt is None:
             for p, g in pairs:  # as torch would leave them: accumulate into .grad
                 if p.grad is None:

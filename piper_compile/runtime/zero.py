@@ -123,9 +123,6 @@ class ZeroState:
                                            [p.shape for p in ps], offsets, off, ps[0].dtype, ps[0].device)
         return st
 
-    def level_of(self) -> dict[str, int]:
-        return {f: b.level for b in self.buckets.values() for f in b.fqns}
-
     def shard_(self, params: dict[str, nn.Parameter]) -> None:
         """Move the (already identical) parameters into the sharded layout; once."""
         if self.sharded:
@@ -168,14 +165,21 @@ class ZeroState:
         out = torch.empty(b.padded, dtype=b.dtype, device=b.device)
         return out, all_gather(out, self.gather_input(b), group)
 
+    def full_flat(self, name: str, groups: Any) -> torch.Tensor:
+        """The bucket's full flat parameters: ZeRO-1/2 hold them; ZeRO-3 all-gathers them (blocking, a
+        collective over the bucket's group)."""
+        b = self.buckets[name]
+        if b.flat is not None:
+            return b.flat
+        if b.world == 1:
+            return self.gather_input(b)
+        flat = torch.empty(b.padded, dtype=b.dtype, device=b.device)
+        all_gather(flat, self.gather_input(b), groups.get(b.stream, b.devices)).wait()
+        return flat
+
     def gather_full(self, groups: Any) -> dict[str, torch.Tensor]:
-        """Every parameter of this rank's buckets as a full tensor (blocking; collective over each group)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, b in self.buckets.items():
-            flat = torch.empty(b.padded, dtype=b.dtype, device=b.device)
-            all_gather(flat, self.gather_input(b), groups.get(b.stream, b.devices)).wait()
-            out.update({f: v.clone() for f, v in b.views(flat).items()})
-        return out
+        """Copies of every parameter of this rank's buckets as full tensors (collective over each group)."""
+        return {f: v.clone() for name, b in self.buckets.items() for f, v in b.views(self.full_flat(name, groups)).items()}
 
     # -- gradients -------------------------------------------------------------------------------
     def shard_grad(self, name: str, full_grad: torch.Tensor | None) -> torch.Tensor:
@@ -212,20 +216,14 @@ class ZeroState:
             b.grad_shard, b.next_mb = None, 0
 
     def grad_shard_bytes(self) -> int:
-        return sum(_nb(b.grad_shard) + sum(map(_nb, [*b.in_flight.values(), *b.done.values()]))
+        return sum(tensor_bytes(b.grad_shard) + sum(map(tensor_bytes, [*b.in_flight.values(), *b.done.values()]))
                    for b in self.buckets.values())
 
-    def nbytes(self) -> dict[str, int]:
-        """Persistent bytes of this rank's ZeRO buffers (parameters and gradient shards)."""
-        params = sum(_nb(b.flat) if b.flat is not None else _nb(b.shard) for b in self.buckets.values())
-        extra_master = sum(_nb(b.shard) for b in self.buckets.values()
-                           if b.flat is not None and b.shard is not None and master_dtype(b.dtype) != b.dtype)
-        grads = sum(_nb(b.grad_shard) for b in self.buckets.values())
-        return {"params": params + extra_master, "grad_shards": grads}
 
 
-def _nb(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def tensor_bytes(t: Any) -> int:
+    """Bytes of a tensor's elements (0 for anything else, e.g. None)."""
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def free_storage(p: torch.Tensor) -> None:
@@ -237,10 +235,11 @@ def free_storage(p: torch.Tensor) -> None:
     st.resize_(0)
 
 
-def restore_storage(p: torch.Tensor, value: torch.Tensor) -> None:
-    """Give a ZeRO-3 parameter its full data back (for state_dict / load_state_dict)."""
+def ensure_storage(p: torch.Tensor) -> bool:
+    """Give a released parameter (ZeRO-3, or another stage's) storage again, contents undefined; True if
+    it had none."""
     st = p.untyped_storage()
-    if st.nbytes() == 0:
-        st.resize_(p.numel() * p.element_size())
-    with torch.no_grad():
-        p.copy_(value)
+    if st.nbytes():
+        return False
+    st.resize_(p.numel() * p.element_size())
+    return True

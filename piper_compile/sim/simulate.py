@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from piper_compile.errors import PiperPlanError
-from piper_compile.ir.dag import Kind, TrainingDAG
+from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.sim.cost import CostModel
@@ -216,7 +216,7 @@ def _memory(program: Program, sizes: Sizes,
             new = list(n.outputs)
         elif n.kind is Kind.ALL_GATHER:
             for v in n.outputs:
-                live[v] = sizes.params_bytes([v[len("param:"):].split("#", 1)[0]])
+                live[v] = sizes.params_bytes([param_fqn(v)])
                 gathered += live[v]
         for v in new:
             b = sizes.messages.get(n.attr("msg"), 0) if n.kind is Kind.RECV else sizes.value_bytes(v)
@@ -284,7 +284,7 @@ def zero_buckets(program: Program) -> dict[str, tuple[tuple[str, ...], int, int]
 
 def trained_bytes(program: Program, sizes: Sizes) -> int:
     """Bytes of what the rank's optimizer updates: its shards of ZeRO buckets, whole other parameters."""
-    upd = next((i.node for i in program.instrs if i.node.kind is Kind.UPDATE), None)
+    upd = program.update_node()
     if upd is None:
         return 0
     zero = zero_buckets(program)
@@ -300,7 +300,7 @@ def state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
     for ins in program.instrs:
         n = ins.node
         if n.kind is Kind.COMPUTE:
-            params.update(v[len("param:"):].split("#", 1)[0] for v in n.inputs if v.startswith("param:"))
+            params.update(f for f in map(param_fqn, n.inputs) if f is not None)
             grads.update(f for _, f in n.attr("grads") or ())
         elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
             grads.add(n.attr("state"))

@@ -102,7 +102,7 @@ def test_pp_zero3_gathered_params_do_not_grow_with_microbatches():
         peaks[m] = [r["memory"].measured.peak_gathered_params for r in res]
         for r in res:
             m, p = r["memory"].measured, r["memory"].predicted
-            assert m.peak_gathered_params < m.params * 4
+            assert 0 < m.peak_gathered_params < m.params * 4
             # the other stage's weights were released: what the rank holds is what the plan predicts
             assert abs(m.params - p.params) <= 0.05 * p.params, (m, p)
     assert peaks[2] == peaks[8]
