@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piper_compile.capture.annotate import annotate
+from piper_compile.nn.moe import MoE
 
 
 class MLPChain(nn.Module):
@@ -120,11 +121,45 @@ class GPT(nn.Module):
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT}
+class MoEBlock(Block):
+    """A :class:`Block` whose MLP is a :class:`piper_compile.nn.MoE` (tagged ``EP`` by the model)."""
+
+    def __init__(self, cfg: GPTConfig, experts: int, top_k: int) -> None:
+        super().__init__(cfg)
+        del self.fc, self.out
+        self.moe = MoE(cfg.dim, 2 * cfg.dim, experts, top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.moe(self.ln2(x))
+
+
+class MoEGPT(GPT):
+    """:class:`GPT` with MoE blocks; every MoE layer is annotated ``EP=<layer>``, so ``{"EP": "*"}``
+    selects all of them for the ``shard`` directive."""
+
+    def __init__(self, cfg: GPTConfig | None = None, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__(cfg)
+        cfg = self.cfg
+        self.blocks = nn.ModuleList(MoEBlock(cfg, experts, top_k) for _ in range(cfg.layers))
+        for name, p in self.blocks.named_parameters():
+            if name.endswith("weight") and p.dim() == 2 and "ln" not in name:
+                nn.init.normal_(p, std=0.02)
+        for i, block in enumerate(self.blocks):
+            annotate(block.moe, EP=i)
+
+
+MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT}
 
 
 def build_model(name: str, seed: int = 0, **kwargs: object) -> nn.Module:
     torch.manual_seed(seed)
-    if name == "gpt":
-        return GPT(GPTConfig(**kwargs))  # type: ignore[arg-type]
+    if name in ("gpt", "moegpt"):
+        moe = {k: kwargs.pop(k) for k in ("experts", "top_k") if k in kwargs}
+        cfg = GPTConfig(**kwargs)  # type: ignore[arg-type]
+        return GPT(cfg) if name == "gpt" else MoEGPT(cfg, **moe)  # type: ignore[arg-type]
     return MODELS[name](**kwargs)  # type: ignore[arg-type]

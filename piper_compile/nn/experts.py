@@ -1,0 +1,63 @@
+"""Grouped SwiGLU experts: the math shared by the single-device custom op and the expert-parallel runtime.
+
+Weights are grouped per expert: ``w_gate`` and ``w_up`` are ``[E, D, H]``, ``w_down`` is ``[E, H, D]``;
+expert ``e`` maps a token ``x`` to ``(silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Tokens are given
+sorted by expert with ``counts[e]`` rows for expert ``e``; an expert with no rows is skipped (its weight
+gradient is zero).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _blocks(counts: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
+    """(expert, start row, end row) of every expert that has rows."""
+    sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    out, start = [], 0
+    for e, c in enumerate(sizes):
+        if c:
+            out.append((e, start, start + int(c)))
+        start += int(c)
+    return out
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """Expert outputs for ``x`` (rows sorted by expert, ``counts`` rows each)."""
+    y = x.new_zeros(x.shape[0], w_down.shape[-1])
+    for e, a, b in _blocks(counts):
+        xe = x[a:b]
+        y[a:b] = (F.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e]
+    return y
+
+
+def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | list[int],
+                            w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`grouped_swiglu` w.r.t. ``x`` and the three weights (hidden values recomputed)."""
+    gx = torch.zeros_like(x)
+    gg, gu, gd = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
+    for e, a, b in _blocks(counts):
+        xe, ge = x[a:b], gy[a:b]
+        g_pre, u = xe @ w_gate[e], xe @ w_up[e]
+        s = torch.sigmoid(g_pre)
+        act = g_pre * s
+        h = act * u
+        gd[e] = h.t() @ ge
+        gh = ge @ w_down[e].t()
+        gu_pre = gh * act
+        gg_pre = gh * u * (s * (1 + g_pre * (1 - s)))
+        gu[e] = xe.t() @ gu_pre
+        gg[e] = xe.t() @ gg_pre
+        gx[a:b] = gg_pre @ w_gate[e].t() + gu_pre @ w_up[e].t()
+    return gx, gg, gu, gd
+
+
+def route(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For top-k expert indices ``idx [N, k]``: the slot order that sorts the ``N*k`` (token, choice) slots
+    by expert (stable, so ties keep token order), and the slot count per expert ``[E]``."""
+    flat = idx.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
