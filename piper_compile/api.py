@@ -95,8 +95,25 @@ def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
     upd = cs.plans[False].programs[cs.rank].update_node()
     names = list(upd.attr("params")) if upd is not None else []
     zero = cs.state.zero if cs.state is not None else None
-    gathered = zero.gather_full(cs.plans[False].executor.groups) if zero is not None else {}
+    groups = cs.plans[False].executor.groups
+    gathered = zero.gather_full(groups) if zero is not None else {}
+    gathered.update(_gather_experts(cs, groups, names))
     return {f: gathered[f] if f in gathered else cs.joint.params[f].detach().clone() for f in names}
+
+
+def _gather_experts(cs: CompiledStep, groups: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """Full expert weights from every rank's expert shards (collective over each expert-parallel group)."""
+    import torch.distributed as dist
+
+    out: dict[str, torch.Tensor] = {}
+    ep = cs.plans[False].dag.meta.get("ep_params", {})
+    for f in sorted(set(names) & set(ep)):
+        group, _, stream = ep[f]
+        local = cs.state.experts[f][0].detach()
+        parts = [torch.empty_like(local) for _ in group]
+        dist.all_gather(parts, local.contiguous(), group=groups.get(stream, group))
+        out[f] = torch.cat(parts)
+    return out
 
 
 class StaticPlan:

@@ -194,7 +194,8 @@ class CompiledStep:
             return self.plans[forward_only]
         dag, programs = self.build(forward_only)
         program = programs[self.rank]
-        seg_names = {i.node.attr("segment") for i in program.instrs if i.node.attr("segment")}
+        seg_names = {i.node.attr("segment") for i in program.instrs
+                     if i.node.attr("segment") and not i.node.attr("ep_role")}  # EP steps run runtime/expert.py
         for name in seg_names:
             if name not in self.compiled:
                 self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)
@@ -204,6 +205,7 @@ class CompiledStep:
             groups.ensure(group_keys(dag, self.world))
         assert self.state is not None and self.joint is not None
         self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
+        self.state.ensure_experts(dag.meta.get("ep_params", {}), self.joint.params, self.rank)
         if dag.meta.get("zero") and not forward_only:
             self.state.release_unused(_unread_params(dag, program))
         executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],

@@ -7,6 +7,7 @@ with no tags at all is one region ``{}``.
 """
 from __future__ import annotations
 
+import bisect
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -40,6 +41,59 @@ class Segment:
     loss: str | None = None  # output value that is the loss
     grads: tuple[tuple[str, str], ...] = ()  # (output value, param fqn)
     out_meta: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # value -> (shape, dtype)
+    boundary: str | None = None  # "moe_fwd" / "moe_bwd": the segment is one expert op (see boundary_kind)
+
+
+def boundary_kind(node: fx.Node) -> str | None:
+    """Ops that get a segment of their own, so a directive can replace them by communication plus local
+    compute: the experts of :class:`piper_compile.nn.MoE` (``shard`` makes them expert parallel)."""
+    if node.op != "call_function":
+        return None
+    from piper_compile.nn.moe import BACKWARD_OP, FORWARD_OP
+
+    return {FORWARD_OP: "moe_fwd", BACKWARD_OP: "moe_bwd"}.get(node.target)  # type: ignore[arg-type]
+
+
+def _cut_at_nested(chunks: list[list[fx.Node]], nested: list[int], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """Cut a region's pieces where a nested region (its tags plus more, e.g. ``{PP: 0, EP: 0}`` inside
+    ``{PP: 0}``) runs in between, so the block before the nested part, the part and the block after it
+    are separate segments instead of a cycle."""
+    if not nested:
+        return chunks
+    out: list[list[fx.Node]] = []
+    for chunk in chunks:
+        cur: list[fx.Node] = []
+        for n in chunk:
+            if cur and bisect.bisect_left(nested, pos[n]) != bisect.bisect_left(nested, pos[cur[-1]]):
+                out.append(cur)
+                cur = []
+            cur.append(n)
+        out.append(cur)
+    return [c for c in out if c]
+
+
+def _cut_at_boundaries(chunks: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Give every boundary op (with the getitems of its outputs) a chunk of its own; the pieces before and
+    after it stay contiguous in graph order, so the cut never creates a cycle."""
+    out: list[list[fx.Node]] = []
+    for chunk in chunks:
+        ops = [n for n in chunk if boundary_kind(n)]
+        if not ops:
+            out.append(chunk)
+            continue
+        owned = {u for op in ops for u in op.users if u.op == "call_function" and u.target is operator.getitem}
+        cur: list[fx.Node] = []
+        for n in chunk:
+            if n in owned:
+                continue
+            if boundary_kind(n):
+                out.append(cur)
+                out.append([n] + [u for u in chunk if u in owned and u.args[0] is n])
+                cur = []
+            else:
+                cur.append(n)
+        out.append(cur)
+    return [c for c in out if c]
 
 
 def _tags(node: fx.Node) -> dict[str, Any]:
@@ -245,6 +299,7 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
                 for c, chunk in enumerate(chunked[(part_pass, reg)]):
                     bucket_of.update({f"param:{joint.grad_of[n.name]}": (reg, c) for n in chunk if n.name in joint.grad_of})
     keyed: dict[tuple[str, Region, int], list[fx.Node]] = {}
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for (pass_, reg), ps in parts.items():
         for part_pass, part in ps:
             if (part_pass, reg) in chunked:
@@ -253,6 +308,8 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
                 chunks = _chunk_forward(part, joint, bucket_of, derived)
             else:
                 chunks = [part]
+            nested = sorted(pos[n] for (p2, r2), ns in groups.items() if p2 == pass_ and set(r2) > set(reg) for n in ns)
+            chunks = _cut_at_boundaries(_cut_at_nested(chunks, nested, pos))
             for c, chunk in enumerate(chunks):
                 keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
     keyed = _getitems_with_producer(keyed, gm)
@@ -323,7 +380,8 @@ def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
     name = f"{pass_}.{region_label(reg) or 'all'}" + (f".c{chunk}" if chunk >= 0 else "")
     loss = joint.loss if joint.loss in outputs else None
     grads = tuple((v, joint.grad_of[v]) for v in outputs if v in joint.grad_of)
-    return Segment(name, reg, pass_, seg_gm, tuple(inputs), tuple(outputs), loss, grads, out_meta)
+    boundary = next((b for b in map(boundary_kind, nodes) if b), None)
+    return Segment(name, reg, pass_, seg_gm, tuple(inputs), tuple(outputs), loss, grads, out_meta, boundary)
 
 
 def _check_acyclic(by_key: dict[Any, Segment], seg_of: dict[str, Any]) -> None:

@@ -41,6 +41,16 @@ def replicate(filter: Filter | None = None, devices: Sequence[int] | None = None
     return d
 
 
+def shard(filter: Filter | None = None, devices: Sequence[int] | None = None, stream: str = "ep") -> dict[str, Any]:
+    """Expert parallelism over ``devices`` (default: the ranks the matched regions run on) for the MoE
+    layers (:class:`piper_compile.nn.MoE` / ``moe_experts``) in the matched regions: each rank keeps
+    ``E / len(devices)`` experts; tokens travel to their experts and back by all-to-all on ``stream``."""
+    d: dict[str, Any] = {"op": "shard", "filter": dict(filter or {}), "stream": stream}
+    if devices is not None:
+        d["devices"] = list(devices)
+    return d
+
+
 def order(*groups: Filter | Sequence[Filter]) -> dict[str, Any]:
     """Order edges between consecutive groups; a group of several filters is an overlap slot."""
     return {"op": "order", "filters": [[dict(g)] if isinstance(g, dict) else [dict(f) for f in g] for g in groups]}

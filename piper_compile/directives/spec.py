@@ -86,8 +86,24 @@ class Order(Directive):
         return {"op": "order", "filters": [[dict(f) for f in g] for g in self.filters]}
 
 
-_KNOWN = {"place": Place, "split": Split, "replicate": Replicate, "order": Order}
-_FUTURE = {"shard", "shard_tensor", "stream", "checkpoint"}
+@dataclass(frozen=True)
+class Shard(Directive):
+    """Expert parallelism: the experts of the matched regions' MoE ops are split across ``devices`` (each
+    rank holds ``E / len(devices)`` of them) and tokens are routed to their expert's rank by all-to-all."""
+
+    filter: Filter = field(default_factory=dict)
+    devices: tuple[int, ...] | None = None  # default: the device group the regions run on
+    stream: str = "ep"
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": "shard", "filter": dict(self.filter), "stream": self.stream}
+        if self.devices is not None:
+            d["devices"] = list(self.devices)
+        return d
+
+
+_KNOWN = {"place": Place, "split": Split, "replicate": Replicate, "order": Order, "shard": Shard}
+_FUTURE = {"shard_tensor", "stream", "checkpoint"}
 
 
 def _check_type(i: int, raw: dict, key: str, types: tuple[type, ...], what: str) -> Any:
@@ -213,7 +229,15 @@ def _parse_order(i: int, raw: dict) -> Order:
     return Order(index=i, raw=raw, filters=tuple(out))
 
 
-_PARSERS = {"place": _parse_place, "split": _parse_split, "replicate": _parse_replicate, "order": _parse_order}
+def _parse_shard(i: int, raw: dict) -> Shard:
+    _allowed(i, raw, {"filter", "devices", "stream"})
+    devices = _devices(i, raw) if raw.get("devices") is not None else None
+    stream = _check_type(i, raw, "stream", (str,), "a string") if raw.get("stream") is not None else "ep"
+    return Shard(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices, stream=stream)
+
+
+_PARSERS = {"place": _parse_place, "split": _parse_split, "replicate": _parse_replicate, "order": _parse_order,
+            "shard": _parse_shard}
 
 
 def parse_directive(i: int, raw: Any) -> Directive:

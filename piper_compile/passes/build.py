@@ -14,6 +14,8 @@ def build_dag(segments: list[Segment], forward_only: bool = False) -> TrainingDA
         tags = make_tags({**dict(seg.region), "PASS": seg.pass_})
         label = str(seg.region[0][1]) if [k for k, _ in seg.region] == ["PP"] else region_label(seg.region)
         attrs: dict[str, object] = {"segment": seg.name, "region_label": label}
+        if seg.boundary:
+            attrs["boundary"] = seg.boundary
         if seg.loss:
             attrs["loss"] = seg.loss
         if seg.grads and not forward_only:

@@ -11,11 +11,14 @@ from typing import Callable
 from piper_compile.directives.spec import Directive, Split
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.passes.context import PassContext
+from piper_compile.directives.spec import Shard
 from piper_compile.passes.directive_passes import DIRECTIVE_PASSES
+from piper_compile.passes.expert import apply_shard
 from piper_compile.passes.invariants import check_invariants
 from piper_compile.passes.lower import LOWERING_PASSES
 
 Pass = Callable[[TrainingDAG, PassContext], TrainingDAG]
+DIRECTIVE_PASSES[Shard] = apply_shard  # type: ignore[assignment]
 
 
 def _run(name: str, fn: Callable[[], TrainingDAG], ctx: PassContext) -> TrainingDAG:

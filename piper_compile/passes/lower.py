@@ -7,6 +7,7 @@ from collections import defaultdict
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
 from piper_compile.passes.context import PassContext
+from piper_compile.passes.expert import lower_expert_parallel
 from piper_compile.passes.zero import ZeroGroup, group_label, holders, insert_param_gather, zero_layout
 
 P2P_FWD, P2P_BWD, P2P_GRAD, LOSS_STREAM, NORM_STREAM = "pp_fwd", "pp_bwd", "pp_grad", "loss", "norm"
@@ -192,13 +193,15 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         by_group[next(iter(groups))].append(fqn)
     ready_after: dict[str, list[str]] = {}  # fqn -> nodes after which its final gradient is ready
     update_deps: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    ep = dag.meta.get("ep_params", {})
     for group, fqns in by_group.items():
         # Bucket in the order gradients finish: by the position of the last backward writing them.
         fqns.sort(key=lambda f: max(index[w.name] for w in writers[f]))
-        if len(group) > 1:
-            update_deps[group] += _reduce_group(dag, group, fqns, writers, layout.get(group), ready_after)
-        else:
-            for f in fqns:
+        if len(group) > 1 and any(f not in ep for f in fqns):
+            update_deps[group] += _reduce_group(dag, group, [f for f in fqns if f not in ep], writers,
+                                                layout.get(group), ready_after)
+        for f in fqns:  # single-rank groups and expert shards: final as soon as written, nothing to reduce
+            if len(group) == 1 or f in ep:
                 ready_after[f] = [w.name for w in writers[f]]
                 update_deps[group].extend(ready_after[f])
     for fqn, groups in held.items():
@@ -241,6 +244,9 @@ def _insert_update(dag: TrainingDAG, group: tuple[int, ...], held: dict[str, set
     # gradient-norm accounting: each gradient counted once in the world (by its writer group)
     own = tuple(sorted(set(by_group.get(group, ()))))
     attrs: dict[str, object] = {"params": tuple(params), "norm_params": own}
+    ep = tuple(sorted(f for f in params if f in dag.meta.get("ep_params", {})))
+    if ep:  # expert shards: every rank updates (and counts in the gradient norm) its own experts
+        attrs["ep_params"] = ep
     if z is not None:
         attrs.update(zero=z.level, shards=tuple(b for b, _ in z.buckets))
     upd = dag.add(Node(f"UPD.{group_label(group)}", Kind.UPDATE, (), group, "compute", (), (),
@@ -273,4 +279,4 @@ def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     return dag
 
 
-LOWERING_PASSES = [lower_placement, insert_p2p, insert_grad_sync, insert_param_gather, insert_loss_reduce]
+LOWERING_PASSES = [lower_placement, lower_expert_parallel, insert_p2p, insert_grad_sync, insert_param_gather, insert_loss_reduce]

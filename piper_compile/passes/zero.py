@@ -69,7 +69,7 @@ def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGro
             continue
         g = groups.setdefault(n.devices, ZeroGroup(n.devices, n.attr("zero"), n.attr("gather_stream", "dp_gather"),
                                                    n.attr("prefetch", 1), bool(n.attr("reduce_mb", False))))
-        fqns = [f for _, f in seg.grads]
+        fqns = [f for _, f in seg.grads if f not in dag.meta.get("ep_params", {})]  # expert shards stay local
         g.whole += [f for f in fqns if len(held.get(f, ())) > 1]
         sharded = tuple(f for f in fqns if len(held.get(f, ())) <= 1)
         if sharded:

@@ -18,6 +18,7 @@ from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT, Join
 from piper_compile.errors import PiperRuntimeError
 from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
+from piper_compile.runtime import expert
 from piper_compile.runtime.groups import GroupRegistry
 from piper_compile.runtime.state import GradBuffers, TrainState
 from piper_compile.runtime.trace import Recorder
@@ -86,12 +87,14 @@ class Executor:
         self.forward_only = forward_only
         self.rank = program.rank
         self.specs = {s.value: s for s in joint.inputs}
-        self.grads = GradBuffers.for_program(program, joint) if not forward_only else None
+        local = {f: p for f, (p, _) in state.experts.items()}
+        self.grads = GradBuffers.for_program(program, joint, local) if not forward_only else None
         self.stats = StepStats()
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight collectives whose owner let go
         self._fold: dict[str, tuple[str, int]] = {}  # per-micro-batch reduce-scatters to fold when done
+        self._sending: dict[str, torch.Tensor] = {}  # what in-flight all-to-alls send
         norm = next((i.node for i in program.instrs if i.node.attr("purpose") == "gradnorm"), None)
         self._max_norm = float(norm.attr("max_norm")) if norm is not None else 0.0  # options["clip_grad_norm"]
         self._partner = overlap_partners(program)
@@ -112,8 +115,10 @@ class Executor:
         spec = self.specs.get(base)
         if spec is None:
             raise PiperRuntimeError(f"piper: internal: rank {self.rank} has no value {name}")
-        if spec.kind in (PARAM, BUFFER):
-            return args[spec.arg_index]  # segments run under no_grad: no autograd graph is built
+        if spec.kind == PARAM:  # segments run under no_grad: no autograd graph is built
+            return self.state.local_param(spec.name, args[spec.arg_index])  # an expert shard under EP
+        if spec.kind == BUFFER:
+            return args[spec.arg_index]
         if spec.kind == TANGENT:
             return torch.full((), 1.0 / (self.m * self.dp), dtype=dtype, device=self.state.device)
         if spec.kind == SYM:
@@ -148,6 +153,7 @@ class Executor:
             return
         work, ins, pos = item
         self._keep.pop(name, None)
+        self._sending.pop(name, None)
         fold = self._fold.pop(name, None)
         if work is not None:
             self._block(work, ins, pos)
@@ -222,7 +228,11 @@ class Executor:
             for v in ins.frees if release else ():  # last use: the segment may free it once done with it
                 if v in env and v in n.inputs and v not in n.outputs:
                     released[v] = _nbytes(env.pop(v))  # still counted live until the instruction ends
-            outs = self.segments[n.attr("segment")](inputs, key)
+            if n.attr("ep_role"):
+                with torch.no_grad():  # the runtime computes gradients itself: build no autograd graph
+                    outs = expert.compute(n, inputs)
+            else:
+                outs = self.segments[n.attr("segment")](inputs, key)
             del inputs
             env.update(zip(n.outputs, outs))
             live += sum(_nbytes(t) for t in outs)
@@ -284,6 +294,17 @@ class Executor:
                 work, views = self._all_gather(ins)
                 env.update(views)
                 gathered += sum(_nbytes(t) for t in views.values())
+                pending[n.name] = (work, ins, pos)
+            elif n.kind is Kind.ALL_TO_ALL:
+                with torch.no_grad():
+                    work, outs, sending = expert.all_to_all(n, [get(v) for v in n.inputs],
+                                                            self.groups.get(n.stream, n.devices), len(n.devices))
+                self.stats.collectives["ep"] = self.stats.collectives.get("ep", 0) + 1
+                if n.attr("ep_role") == "dispatch" and n.tag("PASS") == "F":
+                    self.stats.collectives["ep_counts"] = self.stats.collectives.get("ep_counts", 0) + 1
+                env.update(zip(n.outputs, outs))
+                live += sum(_nbytes(t) for t in outs)
+                self._sending[n.name] = sending  # alive until the all-to-all completes
                 pending[n.name] = (work, ins, pos)
             elif n.kind is Kind.UPDATE:
                 grad_sq = result.get("gradnorm")

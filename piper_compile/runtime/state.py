@@ -58,7 +58,8 @@ class GradBuffers:
         return flat
 
     @classmethod
-    def for_program(cls, program: Program, joint: JointGraph) -> "GradBuffers":
+    def for_program(cls, program: Program, joint: JointGraph,
+                    local: dict[str, nn.Parameter] | None = None) -> "GradBuffers":
         buckets: dict[str, tuple[list[str], int, bool]] = {}
         others: list[str] = []
         for ins in program.instrs:
@@ -74,7 +75,7 @@ class GradBuffers:
                 others.append(n.attr("state"))
             elif n.kind is Kind.UPDATE:
                 others += list(n.attr("params"))
-        return cls(joint.params, buckets, others)
+        return cls({**joint.params, **(local or {})}, buckets, others)
 
     def zero_(self) -> None:
         for name in self.lazy:
@@ -123,6 +124,8 @@ class TrainState:
         self.named: dict[str, nn.Parameter] = {}
         self.to_release: set[str] = set()
         self.released: set[str] = set()  # parameters whose storage this rank gave back (other stages)
+        self.experts: dict[str, tuple[nn.Parameter, slice]] = {}  # expert-parallel shards: fqn -> (local, slice)
+        self.experts_filled = False
         self.hooks_installed = False
         self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
         self.first_call_done = False
@@ -142,6 +145,34 @@ class TrainState:
             raise PiperError("piper: internal: the training and forward-only programs disagree on the ZeRO "
                              f"shard layout ({sorted(have)} vs {sorted(layout)})")
 
+    def ensure_experts(self, ep_params: dict[str, tuple[tuple[int, ...], int, str]], named: dict[str, nn.Parameter],
+                       rank: int) -> None:
+        """Expert parallelism: this rank keeps only its experts of each sharded expert weight, as a local
+        parameter the optimizer owns (filled from the full weight at ``shard()``, after rank 0's weights
+        were broadcast; the full weight's memory is then released)."""
+        from piper_compile.runtime.expert import local_slice
+
+        for fqn, (group, experts, _) in ep_params.items():
+            if rank not in group:
+                continue
+            sl = local_slice(group, rank, experts)
+            have = self.experts.get(fqn)
+            if have is not None:
+                if have[1] != sl:
+                    raise PiperError(f"piper: {fqn} is expert-sharded differently by two compiled programs "
+                                     f"({have[1]} vs {sl}); use one shard directive for both")
+                continue
+            full = named[fqn]
+            local = nn.Parameter(torch.empty((sl.stop - sl.start, *full.shape[1:]), dtype=full.dtype,
+                                             device=full.device))
+            self.experts[fqn] = (local, sl)
+            self.experts_filled = False
+
+    def local_param(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """What this rank computes with for parameter ``fqn``: its expert shard, or the parameter itself."""
+        e = self.experts.get(fqn)
+        return full if e is None else e[0]
+
     def release_unused(self, fqns: Iterable[str]) -> None:
         """Under ZeRO with pipeline stages: parameters this rank never reads (other stages' weights) give
         their memory back at ``shard()``; ``piper.full_state_dict`` / ``model.state_dict()`` fetch them
@@ -154,6 +185,15 @@ class TrainState:
         for f in sorted(self.to_release - self.released):
             free_storage(self.named[f])
             self.released.add(f)
+        if self.experts and not self.experts_filled:
+            with torch.no_grad():
+                for f, (local, sl) in self.experts.items():
+                    local.copy_(self.named[f][sl])
+                    free_storage(self.named[f])
+                    self.released.add(f)
+            self.experts_filled = True
+            if self.optimizer is not None:
+                self._rewire_optimizer(self.optimizer)
         if self.zero is None or self.zero.sharded:
             return
         self.zero.shard_(self.named)
@@ -174,10 +214,14 @@ class TrainState:
 
     def _optimizer_params(self) -> list[nn.Parameter]:
         if self.zero is None or not self.zero.sharded:
-            return list(self.params)
+            if not self.experts:
+                return list(self.params)
+            fqn_of = {id(p): f for f, p in self.named.items()}
+            return [self.local_param(fqn_of.get(id(p), ""), p) for p in self.params]  # type: ignore[misc]
         sharded = {f for b in self.zero.buckets.values() for f in b.fqns}
         shards = [b.shard for b in self.zero.buckets.values()]
-        return [p for p in shards if p is not None] + [p for f, p in self.named.items() if f not in sharded]
+        return [p for p in shards if p is not None] + [self.local_param(f, p) for f, p in self.named.items()  # type: ignore[misc]
+                                                       if f not in sharded]
 
     @staticmethod
     def _check_one_group(opt: torch.optim.Optimizer) -> None:
@@ -236,8 +280,9 @@ class TrainState:
         """This rank's share of the squared global gradient norm: every gradient counted once in the
         world (shards by their owner, whole gradients by the first rank of the group that wrote them)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        if rank == node.devices[0]:
-            for f in self._whole(node, sorted(node.attr("norm_params") or ())):
+        experts = set(node.attr("ep_params") or ())  # every rank counts its own experts
+        for f in self._whole(node, sorted(node.attr("norm_params") or ())):
+            if rank == node.devices[0] or f in experts:
                 total += grads.view(f).float().pow(2).sum()
         for _, g in self._shard_grads(node, grads):
             total += g.float().pow(2).sum()
@@ -248,7 +293,7 @@ class TrainState:
         """The optimizer step for this rank's parameters (or shards), or the gradients into ``param.grad``.
         ``grad_sq``: the global squared gradient norm when clipping to ``max_norm``."""
         opt = self.get_optimizer()
-        pairs = [(joint.params[f], grads.view(f)) for f in self._whole(node, node.attr("params"))]
+        pairs = [(self.local_param(f, joint.params[f]), grads.view(f)) for f in self._whole(node, node.attr("params"))]
         pairs += self._shard_grads(node, grads)
         if opt is None:
             for p, g in pairs:  # as torch would leave them: accumulate into .grad

@@ -6,7 +6,7 @@ Every builder checks its arguments and raises ``PiperDirectiveError`` for counts
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from piper_compile.errors import PiperDirectiveError
 
@@ -138,10 +138,15 @@ def round_robin(ranks: int, virtual_stages: int, tag: str = "PP") -> list[dict[s
     return [{"op": "place", "filter": {tag: s}, "devices": [s % ranks]} for s in range(ranks * virtual_stages)]
 
 
-def v_shape(ranks: int, tag: str = "PP") -> list[dict[str, Any]]:
+def v_shape(ranks: int, tag: str = "PP", groups: Sequence[Sequence[int]] | None = None) -> list[dict[str, Any]]:
     """Place stage s on rank s for s < ranks and on rank 2*ranks-1-s after (2 stages per rank, the V
-    of ZBV and DualPipeV: rank 0 holds the first and the last stage)."""
-    return [{"op": "place", "filter": {tag: s}, "devices": [s if s < ranks else 2 * ranks - 1 - s]}
+    of ZBV and DualPipeV: rank 0 holds the first and the last stage). ``groups[r]``: the device group
+    standing for pipeline rank r (data/expert-parallel replicas of the stages), default ``[r]``."""
+    if groups is not None and len(groups) != ranks:
+        raise _fail("v_shape", {"ranks": ranks, "groups": [list(g) for g in groups]},
+                    f"{len(groups)} device groups given for {ranks} pipeline ranks", "give one group per rank")
+    where = [list(groups[r]) if groups is not None else [r] for r in range(ranks)]
+    return [{"op": "place", "filter": {tag: s}, "devices": where[s if s < ranks else 2 * ranks - 1 - s]}
             for s in range(2 * ranks)]
 
 

@@ -15,7 +15,7 @@ construction (every step starts after its inputs exist), so the plans verify.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from piper_compile.schedules.builders import _check, _fail, v_shape
 
@@ -111,15 +111,19 @@ def _check_v(name: str, ranks: int, microbatches: int) -> None:
                     f"split into {ranks} or more micro-batches")
 
 
-def zbv(ranks: int, microbatches: int, tag: str = "PP", mb_tag: str = "MB") -> list[dict[str, Any]]:
+def zbv(ranks: int, microbatches: int, tag: str = "PP", mb_tag: str = "MB",
+        groups: Sequence[Sequence[int]] | None = None) -> list[dict[str, Any]]:
     """ZBV (ZeroBubble on the V placement, 2 stages per rank, backward split into BI/BW). Returns the
     placement and order directives for ``2 * ranks`` stages."""
     _check_v("zbv", ranks, microbatches)
-    return [*v_shape(ranks, tag), *_order_directives(list_schedule(ranks, microbatches, True, False), tag, mb_tag)]
+    return [*v_shape(ranks, tag, groups), *_order_directives(list_schedule(ranks, microbatches, True, False), tag,
+                                                             mb_tag)]
 
 
-def dualpipe_v(ranks: int, microbatches: int, tag: str = "PP", mb_tag: str = "MB") -> list[dict[str, Any]]:
+def dualpipe_v(ranks: int, microbatches: int, tag: str = "PP", mb_tag: str = "MB",
+               groups: Sequence[Sequence[int]] | None = None) -> list[dict[str, Any]]:
     """DualPipeV (V placement, forward of one micro-batch overlapped with backward of another in
     steady state). Returns the placement and order directives for ``2 * ranks`` stages."""
     _check_v("dualpipe_v", ranks, microbatches)
-    return [*v_shape(ranks, tag), *_order_directives(list_schedule(ranks, microbatches, False, True), tag, mb_tag)]
+    return [*v_shape(ranks, tag, groups), *_order_directives(list_schedule(ranks, microbatches, False, True), tag,
+                                                             mb_tag)]

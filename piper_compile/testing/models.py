@@ -153,7 +153,33 @@ class MoEGPT(GPT):
             annotate(block.moe, EP=i)
 
 
-MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT}
+class MoENet(nn.Module):
+    """One :class:`MoE` layer (tagged ``EP=0``) between two linear layers, MSE loss. ``skew`` > 0 biases
+    the router towards experts 0..top_k-1 through input feature 0 (held at 1), so those experts get
+    every token and the others none: load imbalance, and ranks that receive zero tokens under EP."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, experts: int = 4, top_k: int = 2, skew: float = 0.0) -> None:
+        super().__init__()
+        self.dim, self.skew = dim, skew
+        self.inp = nn.Linear(dim, dim)
+        self.moe = annotate(MoE(dim, hidden, experts, top_k), EP=0)
+        self.out = nn.Linear(dim, dim)
+        if skew:
+            with torch.no_grad():
+                self.moe.router.weight[:, 0] = -skew
+                self.moe.router.weight[:top_k, 0] = skew
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.skew:
+            h = torch.cat([torch.ones_like(h[..., :1]), h[..., 1:]], dim=-1)
+        return F.mse_loss(self.out(h + self.moe(h)), y)
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randn(n, 8, self.dim, generator=gen), torch.randn(n, 8, self.dim, generator=gen)
+
+
+MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet}
 
 
 def build_model(name: str, seed: int = 0, **kwargs: object) -> nn.Module:

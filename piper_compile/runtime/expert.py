@@ -1,0 +1,106 @@
+"""Expert-parallel runtime: the all-to-alls and local steps of the chains ``passes/expert.py`` builds.
+
+A rank at position ``r`` of an expert-parallel group of ``G`` ranks holds experts ``r*L .. r*L+L-1``
+(``L = E / G``). Dispatch sorts the (token, choice) slots by expert, exchanges the per-expert counts
+(a fixed-size all-to-all, so every rank learns how many rows it will receive), then sends the rows with
+a variable-size ``all_to_all_single``. The received rows come grouped by source rank, then by local
+expert; the expert step regroups them by expert, runs the local experts and restores the order, so the
+combining all-to-all (the inverse split sizes) returns every row to its slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from piper_compile.ir.dag import Node
+from piper_compile.nn.experts import grouped_swiglu, grouped_swiglu_backward, route as sort_slots
+
+
+@dataclass
+class Route:
+    """One micro-batch's routing through one MoE layer, shared by its forward and backward chains."""
+
+    order: torch.Tensor  # slot order sorting the N*k slots by expert
+    tokens: int  # N
+    top_k: int  # k
+    send_splits: list[int]  # rows sent to each rank of the group
+    recv_splits: list[int]  # rows received from each rank
+    local_perm: torch.Tensor  # received rows, regrouped by local expert
+    local_counts: list[int]  # received rows per local expert
+
+
+def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Any:
+    return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group, async_op=True)
+
+
+def dispatch_route(x: torch.Tensor, idx: torch.Tensor, experts: int, group: Any, size: int) -> tuple[Route, torch.Tensor]:
+    """Sort slots by expert and exchange the counts (blocking: the split sizes must be known on the
+    host). Returns the route and the rows to send."""
+    n, k = idx.shape
+    order, counts = sort_slots(idx, experts)
+    local = experts // size
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # equal splits: L experts per rank
+    per_rank = recv_counts.view(size, local)  # [source rank, local expert]
+    expert_of_row = torch.arange(local, device=idx.device).repeat(size).repeat_interleave(per_rank.reshape(-1))
+    route = Route(order=order, tokens=n, top_k=k, send_splits=counts.view(size, local).sum(1).tolist(),
+                  recv_splits=per_rank.sum(1).tolist(), local_perm=torch.sort(expert_of_row, stable=True).indices,
+                  local_counts=per_rank.sum(0).tolist())
+    return route, x[order // k]
+
+
+def all_to_all(node: Node, inputs: list[Any], group: Any, size: int) -> tuple[Any, list[Any], torch.Tensor]:
+    """Issue the all-to-all of a dispatch or combine step: (work, outputs, the tensor the work sends)."""
+    role = node.attr("ep_role")
+    if role == "dispatch" and node.tag("PASS") == "F":
+        x, idx = inputs
+        route, send = dispatch_route(x, idx, node.attr("experts"), group, size)
+        recv = send.new_empty(sum(route.recv_splits), send.shape[-1])
+        return _a2a(recv, send, route.recv_splits, route.send_splits, group), [recv, route], send
+    t, route = inputs
+    if role == "dispatch":  # backward: output gradients travel the forward's way
+        send = t.reshape(route.tokens * route.top_k, -1)[route.order]
+        out = send.new_empty(sum(route.recv_splits), send.shape[-1])
+        return _a2a(out, send, route.recv_splits, route.send_splits, group), [out], send
+    assert role == "combine", role
+    out = t.new_empty(sum(route.send_splits), t.shape[-1])
+    return _a2a(out, t, route.send_splits, route.recv_splits, group), [out], t
+
+
+def compute(node: Node, inputs: list[Any]) -> list[Any]:
+    """The local steps of a chain: the experts (forward or backward) and the final unpermute."""
+    role, forward = node.attr("ep_role"), node.tag("PASS") == "F"
+    if role == "experts" and forward:
+        recv, route, wg, wu, wd = inputs
+        perm = route.local_perm
+        ys = grouped_swiglu(recv[perm], route.local_counts, wg, wu, wd)
+        y = torch.empty_like(ys)
+        y[perm] = ys
+        return [y]
+    if role == "experts":
+        grecv, route, recv, wg, wu, wd = inputs
+        perm = route.local_perm
+        gxs, gg, gu, gd = grouped_swiglu_backward(grecv[perm], recv[perm], route.local_counts, wg, wu, wd)
+        gx = torch.empty_like(gxs)
+        gx[perm] = gxs
+        return [gx, gg, gu, gd]
+    assert role == "unpermute", role
+    back, route = inputs
+    if forward:
+        y = torch.empty_like(back)
+        y[route.order] = back
+        return [y.view(route.tokens, route.top_k, -1)]
+    gx = back.new_zeros(route.tokens, back.shape[-1])
+    gx.index_add_(0, route.order // route.top_k, back)
+    return [gx]
+
+
+def local_slice(group: tuple[int, ...], rank: int, experts: int) -> slice:
+    """The experts ``rank`` holds in ``group``."""
+    size = len(group)
+    r = sorted(group).index(rank)
+    local = experts // size
+    return slice(r * local, (r + 1) * local)

@@ -1,0 +1,66 @@
+"""Expert-parallel plans (``shard``), planned in-process for several ranks: the DAG's all-to-all chains,
+the gradient reduction that skips expert shards, verification, and the errors for bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piper_compile as piper
+from piper_compile.errors import PiperDirectiveError
+from piper_compile.ir.dag import Kind
+from piper_compile.sim.simulate import simulate_plan
+from piper_compile.testing.models import build_model
+
+
+def _plan(directives: list, world: int = 2, model: str = "moe", **kw: object) -> piper.StaticPlan:
+    m = build_model(model, 0, **kw)
+    batch = m.make_batch(4, torch.Generator().manual_seed(0))  # type: ignore[operator]
+    return piper.plan(m, *batch, directives=directives, world_size=world)
+
+
+def test_ep_chain_per_microbatch_and_no_reduction_of_expert_shards():
+    p = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0})])
+    a2a = p.dag.of_kind(Kind.ALL_TO_ALL)
+    assert len(a2a) == 2 * 4  # 2 micro-batches x (dispatch, combine) x (forward, backward)
+    assert {n.attr("ep_role") for n in a2a} == {"dispatch", "combine"}
+    assert all(n.devices == (0, 1) and n.stream == "ep" for n in a2a)
+    reduced = {f for n in p.dag.of_kind(Kind.ALL_REDUCE) for f in n.attr("params") or ()}
+    assert not any(f.startswith("moe.w_") for f in reduced), reduced  # expert grads are local
+    assert "moe.router.weight" in reduced and "inp.weight" in reduced
+    upd = p.dag.of_kind(Kind.UPDATE)[0]
+    assert set(upd.attr("ep_params")) == {"moe.w_gate", "moe.w_up", "moe.w_down"}
+    assert p.dag.meta["ep_params"]["moe.w_gate"] == ((0, 1), 4, "ep")
+    text = p.programs[0].to_text()
+    assert "dispatch" in text and "combine" in text
+
+
+def test_ep_plan_simulates():
+    p = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0})], world=4)
+    res = simulate_plan(p)
+    assert res.step_time > 0
+
+
+def test_single_rank_shard_keeps_the_op():
+    p = _plan([piper.shard({"EP": 0})], world=1)
+    assert not p.dag.of_kind(Kind.ALL_TO_ALL)
+    assert any(n.attr("boundary") == "moe_fwd" for n in p.dag.of_kind(Kind.COMPUTE))
+
+
+def test_shard_without_moe_op_is_rejected():
+    with pytest.raises(PiperDirectiveError, match="matches no MoE experts op"):
+        _plan([piper.replicate(), piper.shard({})], model="mlp")
+
+
+def test_experts_not_divisible_by_group():
+    with pytest.raises(PiperDirectiveError, match="3 experts do not split evenly over 2 ranks"):
+        _plan([piper.replicate(), piper.shard({"EP": 0})], experts=3)
+
+
+def test_shard_devices_must_be_the_replica_group():
+    with pytest.raises(PiperDirectiveError, match="expert parallelism shares the ranks"):
+        _plan([piper.replicate(), piper.shard({"EP": 0}, devices=[0, 1])], world=4)
+
+
+def test_shard_devices_outside_world():
+    with pytest.raises(PiperDirectiveError, match="outside the world"):
+        _plan([piper.replicate(), piper.shard({"EP": 0}, devices=[0, 7])])
