@@ -1,0 +1,49 @@
+"""Hugging Face ``transformers`` models under piper, against an eager single-process run on the same
+global batch (real gloo ranks, AdamW): a tiny random Llama (GQA, RoPE, RMSNorm, SwiGLU, sdpa attention)
+whose decoder layers are tagged from outside with ``piper.annotate``, transformers' code untouched."""
+from __future__ import annotations
+
+import pytest
+
+import piper_compile as piper
+from piper_compile.testing.parity import RunConfig
+
+pytest.importorskip("transformers")
+from piper_compile.testing.hf import max_differences, run_hf_parity  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ADAMW = ("AdamW", {"lr": 1e-3, "weight_decay": 0.01})
+# AdamW turns fp32 reduction-order noise on ~0 gradients into up to lr per element (see test_zero)
+P_TOL = dict(rtol=1e-4, atol=5e-5)
+
+
+def test_llama_pp2_x_dp2_1f1b():
+    """Layers 0-1 on stage 0 (ranks 0, 2), layers 2-3 on stage 1 (ranks 1, 3); 4 micro-batches, 1F1B;
+    transformers' own loss (``labels=``). The embedding joins stage 0 and the final norm and ``lm_head``
+    the last stage by the region rule for untagged nodes."""
+    m = 4
+    directives = [*piper.pipeline(2, ranks=[[0, 2], [1, 3]]), piper.split(m), *piper.schedules.one_f_one_b(2, m),
+                  piper.replicate({"PP": "*"})]
+    cfg = RunConfig(model="llama", model_kwargs={"hf_loss": True}, stages=2, directives=directives, steps=3,
+                    local_batch=8, optimizer=ADAMW)
+    res, ref = run_hf_parity(cfg, 4, **P_TOL)
+    loss_diff, param_diff = max_differences(res, ref)
+    assert loss_diff < 1e-5 and param_diff < 5e-5
+    n = len(ref["params"])  # parameter order: embed_tokens first, ..., norm, lm_head last
+    stage0, stage1 = set(res[0]["params"]), set(res[1]["params"])
+    assert 0 in stage0 and {n - 2, n - 1} <= stage1 and not stage0 & stage1
+    assert set(res[2]["params"]) == stage0 and set(res[3]["params"]) == stage1
+    assert res[0]["collectives"] == {"grad": 1, "loss": 1}
+    assert "SEND." in res[0]["program"] and "RECV." in res[1]["program"]
+
+
+def test_llama_dp2_zero1():
+    """Plain data parallel with a sharded AdamW (ZeRO-1), no annotations, 2 micro-batches per replica;
+    loss from the model's logits and ``F.cross_entropy``."""
+    directives = [piper.replicate(zero=1, bucket_mb=0.05), piper.split(2)]
+    cfg = RunConfig(model="llama", directives=directives, steps=3, local_batch=4, optimizer=ADAMW)
+    res, ref = run_hf_parity(cfg, 2, **P_TOL)
+    loss_diff, param_diff = max_differences(res, ref)
+    assert loss_diff < 1e-5 and param_diff < 5e-5
+    assert res[0]["collectives"]["grad"] > 1 and res[0]["collectives"]["param"] > 1  # several buckets
