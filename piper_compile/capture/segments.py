@@ -309,7 +309,8 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
             else:
                 chunks = [part]
             nested = sorted(pos[n] for (p2, r2), ns in groups.items() if p2 == pass_ and set(r2) > set(reg) for n in ns)
-            chunks = _cut_at_boundaries(_cut_at_nested(chunks, nested, pos))
+            if any(chunks):  # an empty part (e.g. the first stage's BI) stays: schedules name it
+                chunks = _cut_at_boundaries(_cut_at_nested(chunks, nested, pos))
             for c, chunk in enumerate(chunks):
                 keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
     keyed = _getitems_with_producer(keyed, gm)
