@@ -90,10 +90,13 @@ def _peer(node: Node, rank: int) -> int | None:
 def _priority(node: Node) -> tuple:
     # Communication is issued as soon as it is ready; compute F before B (GPipe when nothing orders it).
     if node.kind.is_comm and node.attr("purpose") != "loss":
-        return (0, 0, 0)
+        return (0, 0, 0, 0)
     if node.kind is Kind.COMPUTE:
-        return (1, _PASS_RANK.get(node.tag("PASS"), 0), node.attr("mb", 0))
-    return (2, 0, 0)
+        # Expert steps wait for an all-to-all: any other ready compute goes first (e.g. DualPipeV's B of
+        # one micro-batch while the F of another is being dispatched), so the exchange hides behind it.
+        waits = 1 if node.attr("ep_role") in ("experts", "unpermute") else 0
+        return (1, waits, _PASS_RANK.get(node.tag("PASS"), 0), node.attr("mb", 0))
+    return (2, 0, 0, 0)
 
 
 def _global_order(dag: TrainingDAG) -> list[str]:
