@@ -18,7 +18,7 @@ from piper_compile.capture.joint import INPUT, JointGraph, capture_joint, find_b
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import (
-    Directive, Replicate, filter_matches, parse_directives, split_backward_filters,
+    Directive, Place, Replicate, ShardTensor, filter_matches, parse_directives, split_backward_filters,
 )
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
@@ -141,6 +141,7 @@ class CompiledStep:
         self.segments: dict[str, Segment] = {}
         self.compiled: dict[str, CompiledSegment] = {}
         self.plans: dict[bool, Plan] = {}
+        self.tp_shards: dict[str, Any] = {}  # tensor parallel: fqn -> TPShard
         self.state: TrainState | None = None
         self.rank, self.world = world or world_info()
 
@@ -152,8 +153,37 @@ class CompiledStep:
         return self._options
 
     # -- planning ----------------------------------------------------------------------------
+    def _tensor_parallel(self) -> tuple[Any, ...] | None:
+        """``shard_tensor``: mark and split the linear layers in Dynamo's graph; the local fake inputs."""
+        from piper_compile.capture.tensor_parallel import local_fakes, shard_linears
+
+        dirs = [d for d in self.options.directives if isinstance(d, ShardTensor)]
+        if not dirs:
+            return None
+        if len(dirs) > 1:
+            raise dirs[1].error("a second shard_tensor directive", "list every layer in one shard_tensor's params")
+        d = dirs[0]
+        if d.devices is not None:
+            size = len(d.devices[0])
+        elif any(isinstance(x, Place) for x in self.options.directives):
+            raise d.error("with place directives, shard_tensor needs 'devices' (its tensor-parallel groups)",
+                          'add "devices": [[0, 1], [2, 3]] (ranks of one group see the same batch)')
+        else:
+            size = self.world
+        self.tp_shards, shapes = shard_linears(self.gm, self.sources, d.params, size)
+        return local_fakes(self.gm, shapes)
+
     def _capture(self) -> None:
-        self.joint = capture_joint(self.gm, self.example_inputs, self.sources)
+        fakes = self._tensor_parallel()
+        try:
+            self.joint = capture_joint(self.gm, self.example_inputs, self.sources, fakes)
+        except PiperError as e:
+            if fakes is None:
+                raise
+            raise PiperError(f"{e}\npiper: (shard_tensor) the graph was captured with each rank's shard of the split "
+                             "layers; a reshape that fixes the split size (e.g. view(b, t, n_heads, head_dim) after "
+                             "a colwise layer) cannot work on a shard: write -1 for that dimension "
+                             "(view(b, t, -1, head_dim)) and split fused outputs with chunk()") from e
         caps = [d.bucket_size for d in self.options.directives if isinstance(d, Replicate)]
         bucket_bytes = min(caps) * 2**20 if caps else None
         split = split_backward_filters(self.options.directives)
@@ -206,10 +236,13 @@ class CompiledStep:
         assert self.state is not None and self.joint is not None
         self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
         self.state.ensure_experts(dag.meta.get("ep_params", {}), self.joint.params, self.rank)
+        tp_group = next((g for n in dag.of_kind(Kind.COMPUTE) for g in n.attr("tp_groups") or () if self.rank in g), None)
+        self.state.ensure_tensor_shards(self.tp_shards, tp_group, self.joint.params, self.rank)
         if dag.meta.get("zero") and not forward_only:
             self.state.release_unused(_unread_params(dag, program))
+        dp = len(dag.meta["loss_group"]) // dag.meta.get("tp_size", 1)  # ranks of a TP group share a batch
         executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
-                            len(dag.meta["loss_group"]), dag.meta["loss_group"], self.options.timeout_s,
+                            dp, dag.meta["loss_group"], self.options.timeout_s,
                             forward_only)
         self.plans[forward_only] = Plan(dag, programs, executor)
         return self.plans[forward_only]

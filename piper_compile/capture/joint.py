@@ -203,11 +203,14 @@ def _is_reshape(node: fx.Node) -> bool:
     return name in ("view", "reshape", "_unsafe_view", "view_as", "reshape_as", "unflatten")
 
 
-def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[str] | None = None) -> JointGraph:
-    """Export the joint graph of Dynamo's graph ``gm`` and describe its inputs/outputs."""
+def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[str] | None = None,
+                  fakes: tuple[Any, ...] | None = None) -> JointGraph:
+    """Export the joint graph of Dynamo's graph ``gm`` and describe its inputs/outputs. ``fakes``: the
+    placeholder values to trace with (default Dynamo's; tensor parallelism passes local shapes)."""
     _check_single_loss(gm)
     specs, params, buffers = _describe_inputs(gm, example_inputs, sources or source_names(gm))
-    fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
+    if fakes is None:
+        fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
     try:
         with contextlib.ExitStack() as stack, torch.enable_grad():
             joint = aot_export_joint_with_descriptors(stack, gm, fakes)

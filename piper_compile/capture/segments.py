@@ -41,7 +41,7 @@ class Segment:
     loss: str | None = None  # output value that is the loss
     grads: tuple[tuple[str, str], ...] = ()  # (output value, param fqn)
     out_meta: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # value -> (shape, dtype)
-    boundary: str | None = None  # "moe_fwd" / "moe_bwd": the segment is one expert op (see boundary_kind)
+    boundary: str | None = None  # "moe_fwd" / "moe_bwd" / "tp_allreduce": the segment is that one op
 
 
 def boundary_kind(node: fx.Node) -> str | None:
@@ -50,8 +50,9 @@ def boundary_kind(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     from piper_compile.nn.moe import BACKWARD_OP, FORWARD_OP
+    from piper_compile.nn.tp import ALLREDUCE_OP
 
-    return {FORWARD_OP: "moe_fwd", BACKWARD_OP: "moe_bwd"}.get(node.target)  # type: ignore[arg-type]
+    return {FORWARD_OP: "moe_fwd", BACKWARD_OP: "moe_bwd", ALLREDUCE_OP: "tp_allreduce"}.get(node.target)  # type: ignore[arg-type]
 
 
 def _cut_at_nested(chunks: list[list[fx.Node]], nested: list[int], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:

@@ -51,6 +51,19 @@ def shard(filter: Filter | None = None, devices: Sequence[int] | None = None, st
     return d
 
 
+def shard_tensor(params: dict[str, str], filter: Filter | None = None,
+                 devices: Sequence[int] | Sequence[Sequence[int]] | None = None, stream: str = "tp") -> dict[str, Any]:
+    """Tensor parallelism: ``params`` maps module-name globs of ``nn.Linear`` layers to ``colwise`` (output
+    features split; ``colwise:N`` for N fused blocks like qkv), or ``rowwise`` (input features split, the
+    partial outputs all-reduced). ``devices``: the tensor-parallel groups (default: the regions' group);
+    ranks of one group receive the same batch. Reshapes after a colwise layer must infer the head count
+    (``view(b, t, -1, head_dim)``)."""
+    d: dict[str, Any] = {"op": "shard_tensor", "filter": dict(filter or {}), "params": dict(params), "stream": stream}
+    if devices is not None:
+        d["devices"] = [list(g) for g in devices] if devices and not isinstance(devices[0], int) else list(devices)
+    return d
+
+
 def order(*groups: Filter | Sequence[Filter]) -> dict[str, Any]:
     """Order edges between consecutive groups; a group of several filters is an overlap slot."""
     return {"op": "order", "filters": [[dict(g)] if isinstance(g, dict) else [dict(f) for f in g] for g in groups]}

@@ -102,8 +102,37 @@ class Shard(Directive):
         return d
 
 
-_KNOWN = {"place": Place, "split": Split, "replicate": Replicate, "order": Order, "shard": Shard}
-_FUTURE = {"shard_tensor", "stream", "checkpoint"}
+SHARDINGS = ("colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class ShardTensor(Directive):
+    """Tensor parallelism (Megatron): linear layers whose module name matches a key of ``params`` are
+    split column-wise (output features; ``colwise:N`` for N fused equal blocks such as qkv) or row-wise
+    (input features, followed by an all-reduce) over each tensor-parallel group in ``devices``."""
+
+    filter: Filter = field(default_factory=dict)
+    devices: tuple[tuple[int, ...], ...] | None = None  # TP groups; default: the regions' device group
+    params: tuple[tuple[str, str], ...] = ()  # (module-name glob, colwise | colwise:N | rowwise)
+    stream: str = "tp"
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": "shard_tensor", "filter": dict(self.filter), "params": dict(self.params),
+                             "stream": self.stream}
+        if self.devices is not None:
+            d["devices"] = [list(g) for g in self.devices]
+        return d
+
+
+def sharding_parts(kind: str) -> tuple[str, int]:
+    """``"colwise:3"`` -> ("colwise", 3); ``"rowwise"`` -> ("rowwise", 1)."""
+    base, _, n = kind.partition(":")
+    return base, int(n) if n else 1
+
+
+_KNOWN = {"place": Place, "split": Split, "replicate": Replicate, "order": Order, "shard": Shard,
+          "shard_tensor": ShardTensor}
+_FUTURE = {"stream", "checkpoint"}
 
 
 def _check_type(i: int, raw: dict, key: str, types: tuple[type, ...], what: str) -> Any:
@@ -236,8 +265,34 @@ def _parse_shard(i: int, raw: dict) -> Shard:
     return Shard(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices, stream=stream)
 
 
+def _parse_shard_tensor(i: int, raw: dict) -> ShardTensor:
+    _allowed(i, raw, {"filter", "devices", "params", "stream"})
+    params = raw.get("params")
+    if not isinstance(params, dict) or not params:
+        raise PiperDirectiveError(i, raw, "shard_tensor needs 'params': module name -> colwise | rowwise",
+                                  'write e.g. "params": {"blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}')
+    for name, kind in params.items():
+        base, _, n = str(kind).partition(":")
+        if not isinstance(kind, str) or base not in SHARDINGS or (n and (not n.isdigit() or int(n) < 1)) \
+                or (n and base != "colwise"):
+            raise PiperDirectiveError(i, raw, f"params[{name!r}] is {kind!r}",
+                                      "use 'colwise', 'rowwise', or 'colwise:N' for N fused blocks (e.g. qkv: 3)")
+    devices = None
+    raw_devs = raw.get("devices")
+    if raw_devs is not None:
+        groups = raw_devs if raw_devs and all(isinstance(g, list) for g in raw_devs) else [raw_devs]
+        devices = tuple(_devices(i, {**raw, "devices": g}) for g in groups)
+        flat = [r for g in devices for r in g]
+        if len(set(flat)) != len(flat) or len({len(g) for g in devices}) != 1:
+            raise PiperDirectiveError(i, raw, f"devices {raw_devs} must be disjoint tensor-parallel groups of one size",
+                                      'write e.g. "devices": [[0, 1], [2, 3]]')
+    stream = _check_type(i, raw, "stream", (str,), "a string") if raw.get("stream") is not None else "tp"
+    return ShardTensor(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices,
+                       params=tuple(sorted(params.items())), stream=stream)
+
+
 _PARSERS = {"place": _parse_place, "split": _parse_split, "replicate": _parse_replicate, "order": _parse_order,
-            "shard": _parse_shard}
+            "shard": _parse_shard, "shard_tensor": _parse_shard_tensor}
 
 
 def parse_directive(i: int, raw: Any) -> Directive:

@@ -11,14 +11,16 @@ from typing import Callable
 from piper_compile.directives.spec import Directive, Split
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.passes.context import PassContext
-from piper_compile.directives.spec import Shard
+from piper_compile.directives.spec import Shard, ShardTensor
 from piper_compile.passes.directive_passes import DIRECTIVE_PASSES
 from piper_compile.passes.expert import apply_shard
+from piper_compile.passes.tensor_parallel import apply_shard_tensor
 from piper_compile.passes.invariants import check_invariants
 from piper_compile.passes.lower import LOWERING_PASSES
 
 Pass = Callable[[TrainingDAG, PassContext], TrainingDAG]
 DIRECTIVE_PASSES[Shard] = apply_shard  # type: ignore[assignment]
+DIRECTIVE_PASSES[ShardTensor] = apply_shard_tensor  # type: ignore[assignment]
 
 
 def _run(name: str, fn: Callable[[], TrainingDAG], ctx: PassContext) -> TrainingDAG:

@@ -8,6 +8,7 @@ from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.expert import lower_expert_parallel
+from piper_compile.passes.tensor_parallel import dp_subgroups, lower_tensor_parallel
 from piper_compile.passes.zero import ZeroGroup, group_label, holders, insert_param_gather, zero_layout
 
 P2P_FWD, P2P_BWD, P2P_GRAD, LOSS_STREAM, NORM_STREAM = "pp_fwd", "pp_bwd", "pp_grad", "loss", "norm"
@@ -21,7 +22,7 @@ def lower_placement(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     sizes: set[int] = set()
     for n in dag.of_kind(Kind.COMPUTE):
         sizes.add(len(n.devices))
-        if len(n.devices) > 1 and not n.attr("replicated"):
+        if len(n.devices) > 1 and not n.attr("replicated") and n.attr("tp_by") is None:
             idx = n.attr("placed_by")
             how = f"place directive #{idx} puts it" if idx is not None else "with no place directive it runs"
             raise PiperDirectiveError(
@@ -132,8 +133,11 @@ def _sync_node(dag: TrainingDAG, name: str, kind: Kind, group: tuple[int, ...], 
 
 
 def _reduce_group(dag: TrainingDAG, group: tuple[int, ...], fqns: list[str], writers: dict[str, list[Node]],
-                  z: ZeroGroup | None, ready_after: dict[str, list[str]]) -> list[str]:
-    """Gradient reduction of one replicated group; returns the nodes its update waits for."""
+                  z: ZeroGroup | None, ready_after: dict[str, list[str]],
+                  subgroups: tuple[tuple[int, ...], ...] | None = None) -> list[str]:
+    """Gradient reduction of one replicated group (within each of ``subgroups`` when tensor parallel);
+    returns the nodes its update waits for."""
+    extra = {"subgroups": subgroups} if subgroups else {}
     stream = writers[fqns[0]][0].attr("reduce_stream", "dp")
     label = group_label(group)
     deps: list[str] = []
@@ -150,7 +154,7 @@ def _reduce_group(dag: TrainingDAG, group: tuple[int, ...], fqns: list[str], wri
         if z is not None and z.per_microbatch and kind is Kind.REDUCE_SCATTER:
             nodes = _sync_per_microbatch(dag, name, group, stream, bucket, writes, level)
         else:
-            nodes = [_sync_node(dag, name, kind, group, stream, bucket, writes, level)]
+            nodes = [_sync_node(dag, name, kind, group, stream, bucket, writes, level, **extra)]
         for f in bucket:
             ready_after[f] = [n.name for n in nodes]
         deps += [n.name for n in nodes]
@@ -197,11 +201,17 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     for group, fqns in by_group.items():
         # Bucket in the order gradients finish: by the position of the last backward writing them.
         fqns.sort(key=lambda f: max(index[w.name] for w in writers[f]))
-        if len(group) > 1 and any(f not in ep for f in fqns):
+        tp = next((w.attr("tp_groups") for f in fqns for w in writers[f] if w.attr("tp_groups")), None)
+        sub = dp_subgroups(tp) if tp else None
+        alone = len(group) == 1 or (sub is not None and len(sub[0]) == 1)  # nothing to reduce with
+        if tp and layout.get(group) is not None:
+            raise PiperDirectiveError(None, {"zero": layout[group].level}, "ZeRO with shard_tensor is not supported "
+                                      "yet", "use zero=0 on tensor-parallel regions")
+        if not alone and any(f not in ep for f in fqns):
             update_deps[group] += _reduce_group(dag, group, [f for f in fqns if f not in ep], writers,
-                                                layout.get(group), ready_after)
+                                                layout.get(group), ready_after, sub)
         for f in fqns:  # single-rank groups and expert shards: final as soon as written, nothing to reduce
-            if len(group) == 1 or f in ep:
+            if alone or f in ep:
                 ready_after[f] = [w.name for w in writers[f]]
                 update_deps[group].extend(ready_after[f])
     for fqn, groups in held.items():
@@ -279,4 +289,4 @@ def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     return dag
 
 
-LOWERING_PASSES = [lower_placement, lower_expert_parallel, insert_p2p, insert_grad_sync, insert_param_gather, insert_loss_reduce]
+LOWERING_PASSES = [lower_placement, lower_tensor_parallel, lower_expert_parallel, insert_p2p, insert_grad_sync, insert_param_gather, insert_loss_reduce]

@@ -87,7 +87,7 @@ class Executor:
         self.forward_only = forward_only
         self.rank = program.rank
         self.specs = {s.value: s for s in joint.inputs}
-        local = {f: p for f, (p, _) in state.experts.items()}
+        local = state.local_params()
         self.grads = GradBuffers.for_program(program, joint, local) if not forward_only else None
         self.stats = StepStats()
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
@@ -285,6 +285,14 @@ class Executor:
                     live += _nbytes(buf)
                 pending[n.name] = (dist.irecv(buf, src=ins.peer, group=self._group(ins)), ins, pos)
                 self.stats.p2p += 1
+            elif n.kind is Kind.ALL_REDUCE and n.attr("purpose") == "tp":  # tensor parallel: partial sums
+                t = get(n.inputs[0])
+                t = t if n.inputs[0] in ins.frees else t.clone()  # reduced in place at its last use
+                env[n.outputs[0]] = t
+                live += _nbytes(t)
+                self.stats.collectives["tp"] = self.stats.collectives.get("tp", 0) + 1
+                pending[n.name] = (dist.all_reduce(t, group=self.groups.get(n.stream, self._subgroup(n)),
+                                                   async_op=True), ins, pos)
             elif n.kind is Kind.ALL_REDUCE:
                 pending[n.name] = (self._all_reduce(ins, loss_sum, result), ins, pos)
             elif n.kind is Kind.REDUCE_SCATTER:
@@ -343,7 +351,14 @@ class Executor:
             t = self.grads.bucket(n.attr("bucket"))
         if len(n.devices) == 1:
             return None
-        return dist.all_reduce(t, group=self.groups.get(n.stream, n.devices), async_op=True)
+        return dist.all_reduce(t, group=self.groups.get(n.stream, self._subgroup(n)), async_op=True)
+
+    def _subgroup(self, n: Any) -> tuple[int, ...]:
+        """The ranks this rank runs collective ``n`` with: its own subgroup under tensor parallelism."""
+        for g in n.attr("subgroups") or ():
+            if self.rank in g:
+                return tuple(g)
+        return n.devices
 
     def _note_grad_bytes(self, extra: torch.Tensor | None = None) -> None:
         assert self.grads is not None

@@ -126,6 +126,7 @@ class TrainState:
         self.released: set[str] = set()  # parameters whose storage this rank gave back (other stages)
         self.experts: dict[str, tuple[nn.Parameter, slice]] = {}  # expert-parallel shards: fqn -> (local, slice)
         self.experts_filled = False
+        self.tensor_shards: dict[str, tuple[nn.Parameter, Any, int]] = {}  # tensor parallel: fqn -> (local, TPShard, r)
         self.hooks_installed = False
         self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
         self.first_call_done = False
@@ -168,10 +169,31 @@ class TrainState:
             self.experts[fqn] = (local, sl)
             self.experts_filled = False
 
+    def ensure_tensor_shards(self, shards: dict[str, Any], group: tuple[int, ...] | None,
+                             named: dict[str, nn.Parameter], rank: int) -> None:
+        """Tensor parallelism: this rank keeps its piece (``TPShard.take``) of every split parameter as a
+        local parameter the optimizer owns, filled at ``shard()`` like the expert shards."""
+        if group is None:
+            return
+        r = sorted(group).index(rank)
+        for fqn, spec in shards.items():
+            if fqn in self.tensor_shards or fqn not in named:
+                continue
+            full = named[fqn]
+            local = nn.Parameter(torch.empty(spec.local_shape(tuple(full.shape)), dtype=full.dtype,
+                                             device=full.device))
+            self.tensor_shards[fqn] = (local, spec, r)
+            self.experts_filled = False
+
     def local_param(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
-        """What this rank computes with for parameter ``fqn``: its expert shard, or the parameter itself."""
-        e = self.experts.get(fqn)
+        """What this rank computes with for parameter ``fqn``: its expert or tensor-parallel shard, or the
+        parameter itself."""
+        e = self.experts.get(fqn) or self.tensor_shards.get(fqn)
         return full if e is None else e[0]
+
+    def local_params(self) -> dict[str, nn.Parameter]:
+        """Every local shard (expert and tensor parallel) by FQN."""
+        return {**{f: p for f, (p, _) in self.experts.items()}, **{f: v[0] for f, v in self.tensor_shards.items()}}
 
     def release_unused(self, fqns: Iterable[str]) -> None:
         """Under ZeRO with pipeline stages: parameters this rank never reads (other stages' weights) give
@@ -185,12 +207,18 @@ class TrainState:
         for f in sorted(self.to_release - self.released):
             free_storage(self.named[f])
             self.released.add(f)
-        if self.experts and not self.experts_filled:
+        if (self.experts or self.tensor_shards) and not self.experts_filled:
             with torch.no_grad():
                 for f, (local, sl) in self.experts.items():
-                    local.copy_(self.named[f][sl])
-                    free_storage(self.named[f])
-                    self.released.add(f)
+                    if f not in self.released:
+                        local.copy_(self.named[f][sl])
+                        free_storage(self.named[f])
+                        self.released.add(f)
+                for f, (local, spec, r) in self.tensor_shards.items():
+                    if f not in self.released:
+                        local.copy_(spec.take(self.named[f], r))
+                        free_storage(self.named[f])
+                        self.released.add(f)
             self.experts_filled = True
             if self.optimizer is not None:
                 self._rewire_optimizer(self.optimizer)
@@ -214,7 +242,7 @@ class TrainState:
 
     def _optimizer_params(self) -> list[nn.Parameter]:
         if self.zero is None or not self.zero.sharded:
-            if not self.experts:
+            if not self.experts and not self.tensor_shards:
                 return list(self.params)
             fqn_of = {id(p): f for f, p in self.named.items()}
             return [self.local_param(fqn_of.get(id(p), ""), p) for p in self.params]  # type: ignore[misc]

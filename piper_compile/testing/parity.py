@@ -28,12 +28,13 @@ class RunConfig:
     device: str = "cpu"  # "cuda": rank r trains on GPU r over NCCL
     scheduler: tuple[str, dict[str, Any]] | None = None  # torch.optim.lr_scheduler class name and kwargs
     clip_grad_norm: float | None = None
+    tp: int = 1  # tensor-parallel group size: consecutive ranks of a group share one replica's batch
 
     def replica_of(self, rank: int, world: int) -> int:
         for d in self.directives:
             if isinstance(d, dict) and d.get("op") == "place" and rank in d["devices"]:
-                return d["devices"].index(rank)
-        return rank
+                return d["devices"].index(rank) // self.tp
+        return rank // self.tp
 
     def dp_degree(self, world: int) -> int:
         return len({self.replica_of(r, world) for r in range(world)})

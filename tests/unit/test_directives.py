@@ -151,7 +151,7 @@ def test_missing_op() -> None:
 
 
 def test_future_op_is_not_built_yet() -> None:
-    assert "not built yet" in _error({"op": "shard_tensor", "filter": {"PP": "*"}, "devices": [0, 1]})
+    assert "not built yet" in _error({"op": "stream", "filter": {"PP": "*"}})
 
 
 @pytest.mark.parametrize("op", [["place"], {"name": "place"}])

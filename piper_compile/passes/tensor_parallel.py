@@ -1,0 +1,82 @@
+"""Tensor parallelism: the ``shard_tensor`` directive pass and its lowering.
+
+Capture already split the linear layers and inserted ``tp_allreduce`` markers (``capture/tensor_parallel``);
+here the matched regions learn their tensor-parallel groups, and every marker step becomes an ALL_REDUCE
+over the group of the rank that runs it (``subgroups``: one collective node, SPMD over the region's ranks,
+each rank reducing within its own group). Ranks of one tensor-parallel group see the same batch, so the
+gradients are reduced over the data-parallel subgroups (one rank per tensor-parallel group, same position).
+"""
+from __future__ import annotations
+
+from piper_compile.directives.spec import ShardTensor
+from piper_compile.errors import PiperDirectiveError
+from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.passes.context import PassContext
+from piper_compile.passes.directive_passes import match
+
+
+def apply_shard_tensor(dag: TrainingDAG, d: ShardTensor, ctx: PassContext) -> TrainingDAG:
+    """Mark the matched regions tensor-parallel (their groups are resolved once placement is known)."""
+    if d.devices is not None:
+        bad = sorted(r for g in d.devices for r in g if r >= ctx.world_size)
+        if bad:
+            raise d.error(f"rank(s) {bad} are outside the world of {ctx.world_size} rank(s)",
+                          f"use ranks below {ctx.world_size}")
+    for n in match(dag, d, d.filter, ctx):
+        dag.replace(n.with_attrs(tp_by=d.index, tp_stream=d.stream))
+    dag.meta["tp"] = (d.index, d.devices, d.stream)
+    return dag
+
+
+def tp_groups(devices: tuple[int, ...], spec: tuple[tuple[int, ...], ...] | None, index: int) -> tuple[tuple[int, ...], ...]:
+    """The tensor-parallel groups that partition a region's ranks ``devices``."""
+    if spec is None:
+        return (tuple(sorted(devices)),)
+    mine = tuple(tuple(sorted(g)) for g in spec if set(g) & set(devices))
+    if {r for g in mine for r in g} != set(devices):
+        raise PiperDirectiveError(index, {"shard_tensor": list(map(list, spec))},
+                                  f"tensor-parallel groups {[list(g) for g in mine]} do not partition the ranks "
+                                  f"{list(devices)} a sharded region runs on",
+                                  "give groups that together cover exactly the region's ranks")
+    return mine
+
+
+def dp_subgroups(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """Data-parallel subgroups: the i-th rank of every tensor-parallel group."""
+    return tuple(tuple(g[i] for g in groups) for i in range(len(groups[0])))
+
+
+def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
+    """Every ``tp_allreduce`` step becomes an ALL_REDUCE within each rank's tensor-parallel group."""
+    if "tp" not in dag.meta:
+        return dag
+    index, spec, stream = dag.meta["tp"]
+    if ctx.clip_grad_norm is not None:
+        raise PiperDirectiveError(index, {"shard_tensor": "clip_grad_norm"}, "options['clip_grad_norm'] with "
+                                  "shard_tensor is not supported yet (the norm would count replicated gradients "
+                                  "once per tensor-parallel rank)", "drop clip_grad_norm or shard_tensor")
+    sizes = set()
+    for n in list(dag.of_kind(Kind.COMPUTE)):
+        if n.attr("tp_by") is None:
+            if n.attr("boundary") == "tp_allreduce":
+                raise PiperDirectiveError(index, {"shard_tensor": n.name}, f"{n.name} holds a layer split by params "
+                                          "but the directive's filter does not match its region",
+                                          "widen the filter (or leave it empty) to cover every sharded layer")
+            continue
+        groups = tp_groups(n.devices, spec, index)
+        sizes.add(len(groups[0]))
+        dag.replace(n.with_attrs(tp_groups=groups))
+        if n.attr("boundary") != "tp_allreduce":
+            continue
+        attrs = {"purpose": "tp", "subgroups": groups, "mb": n.attr("mb", 0)}
+        ar = Node(n.name + ".ar", Kind.ALL_REDUCE, n.tags, n.devices, stream, n.inputs[:1], n.outputs[:1],
+                  tuple(sorted(attrs.items())))
+        dag.add(ar)
+        for a, b in list(dag.order_edges):
+            if b == n.name:
+                dag.add_order(a, ar.name)
+            if a == n.name:
+                dag.add_order(ar.name, b)
+        dag.remove(n.name)
+    dag.meta["tp_size"] = max(sizes) if sizes else 1
+    return dag
