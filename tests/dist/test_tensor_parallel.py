@@ -1,0 +1,43 @@
+"""Tensor parallelism (``shard_tensor``) against eager single-process training: Megatron column/row
+splits of the GPT's attention (fused qkv, heads split across ranks) and MLP, on gloo ranks."""
+from __future__ import annotations
+
+import pytest
+
+import piper_compile as piper
+from piper_compile.testing.parity import RunConfig, run_parity
+
+TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+
+
+def _collectives(res: list[dict], tp_per_rank: int, grad: bool) -> None:
+    """Per layer and micro-batch: two forward all-reduces (after proj and out) and two backward ones (the
+    input gradients of qkv and fc); gradient reduction only across data-parallel replicas."""
+    for r in res:
+        assert r["collectives"]["tp"] == tp_per_rank, r["collectives"]
+        assert ("grad" in r["collectives"]) == grad, r["collectives"]
+
+
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_tp2_gpt(codegen):
+    cfg = RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=[piper.split(2), piper.shard_tensor(TP)],
+                    local_batch=4, tp=2, codegen=codegen)
+    _collectives(run_parity(cfg, 2), 4 * 2 * 2, grad=False)
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_gpt():
+    d = [piper.split(2), piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])]
+    _collectives(run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=d, local_batch=4, tp=2), 4),
+                 4 * 2 * 2, grad=True)
+
+
+@pytest.mark.slow
+def test_pp2_x_tp2_gpt_tied_embedding():
+    """Stages on [0,1] and [2,3], each a tensor-parallel pair; the embedding tied to the LM head crosses stages."""
+    groups = [[0, 1], [2, 3]]
+    d = [*piper.pipeline(2, ranks=groups), piper.split(4), *piper.schedules.one_f_one_b(2, 4),
+         piper.shard_tensor(TP, devices=groups)]
+    res = run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, stages=2, directives=d, local_batch=4, tp=2), 4)
+    _collectives(res, 4 * 1 * 4, grad=False)
+

@@ -1,0 +1,92 @@
+"""``shard_tensor`` plans and errors, planned in-process (no launch)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import piper_compile as piper
+from piper_compile.capture.tensor_parallel import TPShard
+from piper_compile.errors import PiperDirectiveError, PiperError
+from piper_compile.ir.dag import Kind
+from piper_compile.testing.models import build_model
+
+TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+
+
+def _plan(directives: list, world: int = 2, model: nn.Module | None = None, **options: object) -> piper.StaticPlan:
+    m = model if model is not None else build_model("gpt", 0, layers=2)
+    batch = m.make_batch(4, torch.Generator().manual_seed(0))  # type: ignore[operator]
+    return piper.plan(m, *batch, directives=directives, world_size=world, options=options)
+
+
+def test_tp_plan_all_reduces_and_local_shapes():
+    p = _plan([piper.split(2), piper.shard_tensor(TP)])
+    ars = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "tp"]
+    assert len(ars) == 2 * 2 * 2 * 2  # micro-batches x layers x (fwd proj, out; bwd qkv, fc)
+    assert all(n.attr("subgroups") == ((0, 1),) and n.stream == "tp" for n in ars)
+    assert not [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "grad"]  # one replica
+
+
+def test_tp_shard_take_and_assemble_round_trip():
+    full = torch.arange(24.0).view(12, 2)
+    for spec in (TPShard("w", 0, 3, 2), TPShard("w", 0, 1, 2), TPShard("w", 1, 1, 2)):
+        pieces = [spec.take(full, r) for r in range(2)]
+        assert pieces[0].shape == spec.local_shape(tuple(full.shape))
+        assert torch.equal(spec.assemble(pieces), full)
+    q0 = TPShard("w", 0, 3, 2).take(full, 0)  # first half of each fused block (q, k, v)
+    assert torch.equal(q0, torch.cat([full[0:2], full[4:6], full[8:10]]))
+
+
+class _FixedHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        return F.mse_loss(self.proj(a), y)
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randn(n, 8, 16, generator=gen), torch.randn(n, 8, 16, generator=gen)
+
+
+def test_fixed_head_count_reshape_gets_a_clear_error():
+    with pytest.raises(PiperError, match=r"view\(b, t, -1, head_dim\)"):
+        _plan([piper.shard_tensor({"qkv": "colwise:3", "proj": "rowwise"})], model=_FixedHeads())
+
+
+def test_params_matching_no_linear_layer():
+    with pytest.raises(PiperError, match=r"match no linear layer.*blocks.0.qkv"):
+        _plan([piper.shard_tensor({"blocks.*.mlp": "colwise"})])
+
+
+def test_indivisible_features():
+    with pytest.raises(PiperError, match="do not split into"):
+        _plan([piper.shard_tensor({"blocks.*.fc": "colwise"})], world=3)
+
+
+def test_tp_with_zero_is_rejected():
+    with pytest.raises(PiperDirectiveError, match="ZeRO with shard_tensor"):
+        _plan([piper.replicate(zero=1), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
+              optimizer=torch.optim.AdamW)
+
+
+def test_tp_with_clipping_is_rejected():
+    with pytest.raises(PiperDirectiveError, match="clip_grad_norm"):
+        _plan([piper.shard_tensor(TP)], optimizer=torch.optim.AdamW, clip_grad_norm=1.0)
+
+
+def test_bad_sharding_kind_and_groups():
+    with pytest.raises(PiperDirectiveError, match="colwise:N"):
+        _plan([piper.shard_tensor({"blocks.*.fc": "diagonal"})])
+    with pytest.raises(PiperDirectiveError, match="disjoint tensor-parallel groups"):
+        _plan([piper.shard_tensor(TP, devices=[[0, 1], [1, 2]])], world=4)
+
+
+def test_groups_must_partition_the_region():
+    with pytest.raises(PiperDirectiveError, match="do not partition"):
+        _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1]])], world=4)
