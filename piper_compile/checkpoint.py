@@ -20,6 +20,10 @@ the bucket's parameters; that range is described to DCP as a few boxes of the pa
 is independent of the layout: it loads into another ZeRO level, bucket size, world size or strategy,
 and into an eager model (``dcp.load({"model": model.state_dict()}, checkpoint_id=path)``). Parameters
 trained whole by a replicated group are written by every replica under the same key; DCP keeps one.
+Under expert parallelism (``shard``) a rank's expert shard of a weight ``[E, ...]`` (experts
+``r*E/G .. (r+1)*E/G - 1`` of a group of ``G``) is one box at offset ``r*E/G`` along dim 0, for the
+weight and for each optimizer state tensor of the local shard's shape (scalars such as AdamW's ``step``
+are written whole by every rank), so expert checkpoints also load into another EP size or an eager model.
 
 ``dcp.load(sd)`` writes into the live shards, parameters and optimizer state in place; the two
 top-level entries are DCP ``Stateful`` so that loading then re-gathers ZeRO-1/2 full parameters from
@@ -31,7 +35,10 @@ involve every rank of the world. Under ZeRO, piper hooks the model's ``state_dic
 under ZeRO-3 ``model.state_dict()`` all-gathers the shards, so every rank of each ZeRO group must call
 it together; ``model.load_state_dict(full)`` is local (each rank copies its pieces from the full
 tensors). Under pipeline parallelism ``model.state_dict()`` on a rank is current only for the
-parameters that rank trains; ``full_state_dict`` is current for all.
+parameters that rank trains; ``full_state_dict`` is current for all. Under expert parallelism the
+model's expert weights hold no memory (each rank trains its local shard): ``model.state_dict()`` and
+``full_state_dict`` all-gather them within each expert-parallel group (a collective over the world),
+and ``model.load_state_dict(full)`` copies each rank's experts into its shard.
 
 Not covered: ``dcp.async_save`` (its staging copies tensors, which the piece views do not support),
 modules' non-tensor ``extra_state``; ``load`` reads a local checkpoint directory.
@@ -245,6 +252,22 @@ class _Ctx:
     def groups(self) -> Any:
         return _groups_of(self.st)
 
+    @property
+    def experts(self) -> dict[str, tuple[nn.Parameter, slice]]:
+        """Expert parallelism: fqn -> (this rank's local shard, its experts) of each expert weight."""
+        return self.st.experts
+
+    def local(self, fqn: str) -> torch.Tensor:
+        """What this rank trains for an unsharded (by ZeRO) parameter: its expert shard or the parameter."""
+        return self.st.local_param(fqn, self.params[fqn])
+
+    def expert_pieces(self, fqn: str, t: torch.Tensor) -> ShardPieces:
+        """``t`` (the local expert shard of ``fqn`` or a state tensor of its shape) as a piece of the full
+        ``[E, ...]`` tensor, at offset ``slice.start`` along dim 0."""
+        sl = self.experts[fqn][1]
+        full = self.params[fqn].shape
+        return ShardPieces(full, [(torch.Size((sl.start, *[0] * (len(full) - 1))), t)])
+
 
 _PROGRAMS: "weakref.WeakKeyDictionary[Any, list[Any]]" = weakref.WeakKeyDictionary()
 
@@ -283,10 +306,10 @@ def _model_entries(ctx: _Ctx) -> dict[str, Any]:
         out.update(_pieces_of(b, b.shard.detach()))
     for f in ctx.trained:
         if f not in ctx.sharded:
-            out[f] = ctx.params[f].detach()
+            out[f] = ctx.expert_pieces(f, ctx.local(f).detach()) if f in ctx.experts else ctx.params[f].detach()
     for f, p in ctx.params.items():  # trained by no rank (frozen): every rank holds rank 0's copy
         if f not in ctx.owners:
-            out[f] = p.detach()
+            out[f] = ctx.expert_pieces(f, ctx.local(f).detach()) if f in ctx.experts else p.detach()
     named = {ctx.name_of[f]: v for f, v in out.items()}
     if ctx.module is not None:  # tied aliases under every name, and persistent buffers
         fqn_by_id = {id(p): f for f, p in ctx.params.items()}
@@ -329,8 +352,14 @@ def _optimizer_entries(ctx: _Ctx, opt: torch.optim.Optimizer) -> tuple[dict[str,
                     add(f, b.shard, k, v)
     for f in ctx.trained:
         if f not in ctx.sharded:
-            p = ctx.params[f]
+            p = ctx.local(f)
             for k, v in (opt.state.get(p) or {}).items():
+                if f in ctx.experts and isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if v.shape != p.shape:
+                        raise PiperError(f"piper: optimizer state {k!r} of the expert shard of {f} has shape "
+                                         f"{tuple(v.shape)}, neither a scalar nor the shard's {tuple(p.shape)}; it "
+                                         "cannot be checkpointed by parameter")
+                    v = ctx.expert_pieces(f, v.detach())
                 add(f, p, k, v)
     all_trained = [ctx.name_of[f] for f in ctx.params if f in ctx.owners]
     if len(opt.param_groups) == 1:
@@ -388,7 +417,7 @@ def _materialize(ctx: _Ctx, opt: torch.optim.Optimizer) -> None:
     gradients (at the real learning rate, so lr-derived initial state is right), after which the
     parameters are restored bitwise and every ``step`` count is reset to 0."""
     z = ctx.st.zero
-    mine = [z.buckets[b].shard for b in ctx.shards] + [ctx.params[f] for f in ctx.trained if f not in ctx.sharded]
+    mine = [z.buckets[b].shard for b in ctx.shards] + [ctx.local(f) for f in ctx.trained if f not in ctx.sharded]
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     missing = [p for p in mine if id(p) in in_opt and not opt.state.get(p)]
     if not missing:
@@ -530,6 +559,7 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
         for name in sorted(z.buckets):
             b = z.buckets[name]
             vals.update({f: v.clone() for f, v in b.views(z.full_flat(b.name, ctx.groups)).items()})
+    vals.update(_gather_experts(ctx))
     for f, p in ctx.params.items():
         if f not in vals:  # a released parameter (another stage's) has no storage: its owner sends it
             vals[f] = p.detach().clone() if p.untyped_storage().nbytes() else torch.empty(p.shape, dtype=p.dtype,
@@ -542,6 +572,34 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
     return vals
 
 
+def _ep_params(st: Any) -> dict[str, tuple[tuple[int, ...], int, str]]:
+    """fqn -> (group, experts, stream) of every expert-sharded weight (``dag.meta["ep_params"]``)."""
+    out: dict[str, tuple[tuple[int, ...], int, str]] = {}
+    for cs in st.steps:
+        for plan in cs.plans.values():
+            out.update(plan.dag.meta.get("ep_params", {}))
+    return out
+
+
+def _gather_experts(ctx: _Ctx) -> dict[str, torch.Tensor]:
+    """Full expert weights of the expert-parallel groups this rank is in, all-gathered from the ranks'
+    shards (the same order on every rank: sorted by fqn, each group's collectives on its own group)."""
+    out: dict[str, torch.Tensor] = {}
+    if not ctx.experts:
+        return out
+    ep = _ep_params(ctx.st)
+    for f in sorted(ctx.experts):
+        local = ctx.experts[f][0].detach()
+        group = ep[f][0] if f in ep else (ctx.rank,)
+        if len(group) == 1:
+            out[f] = local.clone()
+            continue
+        parts = [torch.empty_like(local) for _ in group]
+        dist.all_gather(parts, local.contiguous(), group=ctx.groups.get(ep[f][2], group))
+        out[f] = torch.cat(parts)
+    return out
+
+
 def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = True) -> Any:
     """Load full tensors (e.g. an eager model's ``state_dict()``) into the run: ``model.load_state_dict``
     with piper's hooks, which also update ZeRO shards (ZeRO-3 parameters get their storage back for the
@@ -550,7 +608,7 @@ def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = 
     parameters (rank 0's copy is broadcast at that call). Every rank passes the same ``sd``."""
     module = _module_of(step)
     st = _state(step, create=False)
-    if st is not None and st.zero is not None and st.zero.sharded:
+    if st is not None and ((st.zero is not None and st.zero.sharded) or st.released):
         _install_hooks(st, module)
     return module.load_state_dict(sd, strict=strict)
 
@@ -612,9 +670,15 @@ def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str
 
 def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
     """ZeRO-3: give the parameters storage (holding this rank's pieces) so load_state_dict can copy;
-    released parameters (other stages') get storage for the copy too."""
+    released parameters (other stages', and expert weights under expert parallelism) get storage for the
+    copy too (an expert weight holding this rank's experts, so that a key the state dict lacks keeps them)."""
     for f in sorted(st.released):
         ensure_storage(st.named[f])
+    with torch.no_grad():
+        for f, (local, sl) in sorted(st.experts.items()):
+            if f in st.released:
+                st.named[f].zero_()
+                st.named[f][sl].copy_(local.detach())
     z = st.zero
     if z is None or not z.sharded:
         return
@@ -632,7 +696,11 @@ def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
 
 def _load_post_hook(st: Any, module: nn.Module, incompatible: Any) -> None:
     """The loaded full parameters into this rank's shards; ZeRO-3 and released parameters lose their
-    storage again."""
+    storage again; expert shards take their experts from the loaded full weights."""
+    with torch.no_grad():
+        for f, (local, sl) in sorted(st.experts.items()):
+            if f in st.released and st.named[f].untyped_storage().nbytes():
+                local.copy_(st.named[f][sl])
     for f in sorted(st.released):
         if st.named[f].untyped_storage().nbytes():
             free_storage(st.named[f])
