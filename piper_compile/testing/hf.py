@@ -1,8 +1,9 @@
 """Hugging Face ``transformers`` models for tests and examples: a tiny randomly initialised Llama
-(no download), a wrapper whose ``forward`` returns the scalar loss, and pipeline-stage annotations
-that tag the decoder layers from outside (``piper.annotate(layer, PP=s)``) without editing transformers.
+and Qwen3-MoE (no download), wrappers whose ``forward`` returns the scalar loss, and pipeline-stage
+annotations that tag the decoder layers from outside (``piper.annotate(layer, PP=s)``) without editing
+transformers. The Qwen3-MoE blocks are swapped by :func:`piper_compile.nn.hf.adapt_moe` (tagged ``EP``).
 
-Importing this module registers ``"llama"`` in :data:`piper_compile.testing.models.MODELS`, so
+Importing this module registers ``"llama"`` and ``"qwen3moe"`` in :data:`piper_compile.testing.models.MODELS`, so
 :class:`piper_compile.testing.parity.RunConfig` can name it; spawned ranks import it through
 :func:`hf_worker` (pickled by reference), which is what :func:`run_hf_parity` launches.
 
@@ -87,6 +88,58 @@ class LlamaLoss(nn.Module):
         return (ids, ids.clone()) if self.hf_loss else (ids, targets)
 
 
+def tiny_qwen3_moe_config(**overrides: Any) -> Any:
+    """A small ``Qwen3MoeConfig``: 2 layers of hidden 64, 4 query heads over 2 key/value heads (head_dim 16),
+    every layer a sparse MoE of 4 SwiGLU experts (hidden 64), top-2, renormalised top-k weights."""
+    from transformers import Qwen3MoeConfig
+
+    kw: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                              max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                              use_cache=False, attn_implementation="sdpa")
+    kw.update(overrides)
+    attn = kw.pop("attn_implementation")
+    cfg = Qwen3MoeConfig(**kw)
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def build_qwen3_moe(seed: int | None = 0, adapt: bool = True, **overrides: Any) -> nn.Module:
+    """A randomly initialised ``Qwen3MoeForCausalLM`` from :func:`tiny_qwen3_moe_config` (fp32, train mode),
+    its MoE blocks swapped by :func:`piper_compile.nn.hf.adapt_moe` when ``adapt`` (tagged ``EP=<layer>``)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from piper_compile.nn.hf import adapt_moe
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_qwen3_moe_config(**overrides)).float().train()
+    return adapt_moe(model) if adapt else model
+
+
+class Qwen3MoeLoss(LlamaLoss):
+    """:class:`LlamaLoss` over :func:`build_qwen3_moe` (adapted, so ``piper.shard({"EP": "*"})`` shards
+    its experts). The router load-balancing loss is left out (``output_router_logits`` off): it is a
+    product of batch means, so it would not equal its mean over micro-batches.
+
+    ``tag_layers`` also tags each whole decoder layer ``EP=<i>``, so the attention and norms around each MoE
+    block share its region. Needed while capture assigns backward nodes computed from forward values alone
+    (an RMSNorm backward's ``pow(rsqrt(var), 3)``) to the region of their forward input instead of the
+    backward that uses them: with only the MoE blocks tagged, layer 1's norm runs in region EP0 in forward
+    and that value feeds B.EP1, and capture reports regions EP0/EP1 "not contiguous"."""
+
+    def __init__(self, seq: int = 16, hf_loss: bool = False, seed: int | None = None, adapt: bool = True,
+                 tag_layers: bool = False, **config: Any) -> None:
+        nn.Module.__init__(self)
+        self.model = build_qwen3_moe(seed=seed, adapt=adapt, **config)
+        self.seq = seq
+        self.hf_loss = hf_loss
+        if tag_layers:  # the MoE block inside keeps its own EP=i tag
+            for i, layer in enumerate(decoder_layers(self.model)):
+                annotate(layer, EP=i)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a ``LlamaForCausalLM`` (or a ``LlamaModel``, or a :class:`LlamaLoss`)."""
     if isinstance(model, LlamaLoss):
@@ -125,6 +178,7 @@ def make_batch(n: int, generator: torch.Generator, vocab: int = 128, seq: int = 
 
 
 _models.MODELS.setdefault("llama", LlamaLoss)
+_models.MODELS.setdefault("qwen3moe", Qwen3MoeLoss)
 
 
 def hf_worker(rank: int, world: int, cfg: Any) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """Hugging Face ``transformers`` models under piper, against an eager single-process run on the same
-global batch (real gloo ranks, AdamW): a tiny random Llama (GQA, RoPE, RMSNorm, SwiGLU, sdpa attention)
-whose decoder layers are tagged from outside with ``piper.annotate``, transformers' code untouched."""
+global batch (real gloo ranks): a tiny random Llama (GQA, RoPE, RMSNorm, SwiGLU, sdpa attention; AdamW)
+whose decoder layers are tagged from outside with ``piper.annotate``, and a tiny Qwen3-MoE whose sparse
+MoE blocks ``piper_compile.nn.hf.adapt_moe`` swaps for expert-parallel ones (SGD); transformers' code
+untouched."""
 from __future__ import annotations
 
 import pytest
@@ -47,3 +49,30 @@ def test_llama_dp2_zero1():
     loss_diff, param_diff = max_differences(res, ref)
     assert loss_diff < 1e-5 and param_diff < 5e-5
     assert res[0]["collectives"]["grad"] > 1 and res[0]["collectives"]["param"] > 1  # several buckets
+
+
+SGD = ("SGD", {"lr": 0.05, "momentum": 0.9})
+
+
+def test_qwen3_moe_ep2():
+    """Qwen3-MoE (2 layers, 4 experts, top-2, renormalised) with its sparse MoE blocks swapped by
+    ``piper_compile.nn.hf.adapt_moe`` (tagged ``EP=<layer>``), expert parallel over 2 ranks (2 experts
+    each, real all-to-all routing), dense parameters data parallel, 2 micro-batches per replica. SGD with
+    momentum: routing is discrete and Adam would amplify the rounding noise of exactly-zero router
+    gradients (see test_expert_parallel)."""
+    layers, m = 2, 2
+    directives = [piper.split(m), piper.replicate(), piper.shard({"EP": "*"})]
+    # tag_layers: each whole decoder layer is region EP=<i> (see Qwen3MoeLoss). With only the MoE blocks
+    # tagged, capture fails (regions EP0/EP1 "not contiguous"): RMSNorm backward nodes computed from forward
+    # values alone (pow(rsqrt, 3)) join their forward input's region EP0 while layer 1's backward uses them.
+    cfg = RunConfig(model="qwen3moe", model_kwargs={"num_hidden_layers": layers, "tag_layers": True},
+                    directives=directives, steps=3, local_batch=4, optimizer=SGD)
+    res, ref = run_hf_parity(cfg, 2)
+    loss_diff, param_diff = max_differences(res, ref)
+    assert loss_diff < 1e-5 and param_diff < 1e-5
+    for r in res:
+        assert r["collectives"]["ep"] == 4 * layers * m, r["collectives"]
+        assert r["collectives"]["ep_counts"] == layers * m, r["collectives"]
+        assert r["collectives"]["grad"] >= 1  # attention, norms, routers, embeddings still all-reduce
+    # trained_parameters gathers the expert shards: both ranks report every parameter
+    assert set(res[0]["params"]) == set(res[1]["params"]) == set(range(len(ref["params"])))
