@@ -135,9 +135,17 @@ def assign_regions(gm: fx.GraphModule) -> tuple[dict[str, Region], dict[str, str
         return {n.name: () for n in nodes}, passes
     region: dict[str, Region] = {}
     pending: list[fx.Node] = []
+    fwd_only: set[str] = set()  # backward nodes computed from forward values alone
     for n in nodes:
         if tags[n.name]:
             region[n.name] = tuple(sorted(tags[n.name].items()))
+            continue
+        if passes[n.name] == "B" and not any(passes.get(a.name) == "B" and a.name not in fwd_only
+                                             for a in n.all_input_nodes):
+            # e.g. RMSNorm backward's pow(rsqrt(var), 3): it belongs with the backward that uses it, not
+            # with the forward region its input came from (which would make the two backwards a cycle)
+            fwd_only.add(n.name)
+            pending.append(n)
             continue
         tagged_inputs = [a for a in n.all_input_nodes if a.name in region]
         if tagged_inputs:
