@@ -282,6 +282,10 @@ def _train_programs(st: Any, cs: Any) -> list[Any]:
 
 
 def _ctx_of(st: Any, cs: Any, module: nn.Module | None) -> _Ctx:
+    if getattr(st, "tensor_shards", None):
+        raise PiperError("piper: checkpoints and full state dicts of tensor-parallel (shard_tensor) shards are not "
+                         f"supported yet ({len(st.tensor_shards)} split parameters); piper.trained_parameters(step) "
+                         "gathers the full values, save those with torch.save")
     return _Ctx(st, cs, module, _train_programs(st, cs))
 
 

@@ -131,6 +131,7 @@ def assign_regions(gm: fx.GraphModule) -> tuple[dict[str, Region], dict[str, str
     tags = _renumber_auto(nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     passes = {n.name: ("B" if n.meta.get("partitioner_tag") == "is_backward" else "F") for n in nodes}
+    grad_seeds = {n.name for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
     if not any(tags.values()):
         return {n.name: () for n in nodes}, passes
     region: dict[str, Region] = {}
@@ -140,8 +141,8 @@ def assign_regions(gm: fx.GraphModule) -> tuple[dict[str, Region], dict[str, str
         if tags[n.name]:
             region[n.name] = tuple(sorted(tags[n.name].items()))
             continue
-        if passes[n.name] == "B" and not any(passes.get(a.name) == "B" and a.name not in fwd_only
-                                             for a in n.all_input_nodes):
+        if passes[n.name] == "B" and not any((passes.get(a.name) == "B" and a.name not in fwd_only)
+                                             or a.name in grad_seeds for a in n.all_input_nodes):
             # e.g. RMSNorm backward's pow(rsqrt(var), 3): it belongs with the backward that uses it, not
             # with the forward region its input came from (which would make the two backwards a cycle)
             fwd_only.add(n.name)
