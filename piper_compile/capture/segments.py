@@ -125,8 +125,10 @@ def _renumber_auto(nodes: list[fx.Node]) -> dict[str, dict[str, Any]]:
     return per_node
 
 
-def assign_regions(gm: fx.GraphModule) -> tuple[dict[str, Region], dict[str, str]]:
-    """Region and pass (F/B) of every compute node of the joint graph."""
+def assign_regions(gm: fx.GraphModule, defer_forward_only: bool = False) -> tuple[dict[str, Region], dict[str, str]]:
+    """Region and pass (F/B) of every compute node of the joint graph. ``defer_forward_only``: untagged
+    backward nodes computed from forward values alone join their first tagged user instead (the
+    fallback when the default rule makes two backward regions a cycle)."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     tags = _renumber_auto(nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
@@ -141,8 +143,8 @@ def assign_regions(gm: fx.GraphModule) -> tuple[dict[str, Region], dict[str, str
         if tags[n.name]:
             region[n.name] = tuple(sorted(tags[n.name].items()))
             continue
-        if passes[n.name] == "B" and not any((passes.get(a.name) == "B" and a.name not in fwd_only)
-                                             or a.name in grad_seeds for a in n.all_input_nodes):
+        if defer_forward_only and passes[n.name] == "B" and not any(
+                (passes.get(a.name) == "B" and a.name not in fwd_only) or a.name in grad_seeds for a in n.all_input_nodes):
             # e.g. RMSNorm backward's pow(rsqrt(var), 3): it belongs with the backward that uses it, not
             # with the forward region its input came from (which would make the two backwards a cycle)
             fwd_only.add(n.name)
@@ -285,8 +287,20 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
     bucket-sized chunks when ``bucket_bytes`` is given, and so are the forward segments of regions for
     which ``chunk_fw`` holds (ZeRO-3). Parameter-only values are recomputed by each segment that reads
     them. Checks the segment graph is acyclic."""
+    try:
+        return _extract(joint, bucket_bytes, split_bw, chunk_fw, False)
+    except PiperCaptureError:  # e.g. RMSNorm backward's pow(rsqrt, 3) joined a forward region: retry
+        try:
+            return _extract(joint, bucket_bytes, split_bw, chunk_fw, True)
+        except PiperCaptureError:
+            pass
+        raise
+
+
+def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[Region], bool] | None,
+             chunk_fw: Callable[[Region], bool] | None, defer_forward_only: bool) -> list[Segment]:
     gm = joint.gm
-    region, passes = assign_regions(gm)
+    region, passes = assign_regions(gm, defer_forward_only)
     derived = param_derived(gm, joint)
     groups: dict[tuple[str, Region], list[fx.Node]] = {}
     for n in gm.graph.nodes:

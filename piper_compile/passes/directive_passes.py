@@ -2,7 +2,7 @@
 ``PiperDirectiveError`` (directive index + JSON, what is wrong, how to fix it)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from piper_compile.directives.spec import ANY, Directive, Filter, Order, Place, Replicate, Split, filter_matches
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
@@ -41,22 +41,23 @@ def match(dag: TrainingDAG, d: Directive, flt: Filter, ctx: PassContext, allow_e
     return nodes
 
 
-def apply_place(dag: TrainingDAG, d: Place, ctx: PassContext) -> TrainingDAG:
-    bad = [r for r in d.devices if r >= ctx.world_size]
+def check_ranks(d: Directive, ranks: Iterable[int] | None, ctx: PassContext) -> None:
+    """Every rank a directive names exists in the world."""
+    bad = sorted(r for r in ranks or () if r >= ctx.world_size)
     if bad:
         raise d.error(f"rank(s) {bad} are outside the world of {ctx.world_size} rank(s) (0..{ctx.world_size - 1})",
-                      f"place on ranks below {ctx.world_size}, or launch with more processes")
+                      f"use ranks below {ctx.world_size}, or launch with more processes")
+
+
+def apply_place(dag: TrainingDAG, d: Place, ctx: PassContext) -> TrainingDAG:
+    check_ranks(d, d.devices, ctx)
     for n in match(dag, d, d.filter, ctx):
         dag.replace(n.with_(devices=tuple(d.devices)).with_attrs(placed_by=d.index, p2p_stream=d.stream or ""))
     return dag
 
 
 def apply_replicate(dag: TrainingDAG, d: Replicate, ctx: PassContext) -> TrainingDAG:
-    if d.devices is not None:
-        bad = [r for r in d.devices if r >= ctx.world_size]
-        if bad:
-            raise d.error(f"rank(s) {bad} are outside the world of {ctx.world_size} rank(s)",
-                          f"replicate over ranks below {ctx.world_size}")
+    check_ranks(d, d.devices, ctx)
     for n in match(dag, d, d.filter, ctx):
         devices = n.devices
         if d.devices is not None:

@@ -17,18 +17,14 @@ from piper_compile.directives.spec import Shard
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, param_fqn
 from piper_compile.passes.context import PassContext
-from piper_compile.passes.directive_passes import match
+from piper_compile.passes.directive_passes import check_ranks, match
 
 EP_ATTRS = ("ep_by", "ep_devices", "ep_stream")
 
 
 def apply_shard(dag: TrainingDAG, d: Shard, ctx: PassContext) -> TrainingDAG:
     """Mark the expert steps of the matched regions for expert parallelism over ``d.devices``."""
-    if d.devices is not None:
-        bad = [r for r in d.devices if r >= ctx.world_size]
-        if bad:
-            raise d.error(f"rank(s) {bad} are outside the world of {ctx.world_size} rank(s)",
-                          f"shard over ranks below {ctx.world_size}")
+    check_ranks(d, d.devices, ctx)
     nodes = [n for n in match(dag, d, d.filter, ctx) if n.attr("boundary") in ("moe_fwd", "moe_bwd")]
     if not nodes:
         raise d.error(f"filter {d.filter} matches no MoE experts op (piper_compile.nn.MoE / "

@@ -12,16 +12,12 @@ from piper_compile.directives.spec import ShardTensor
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
 from piper_compile.passes.context import PassContext
-from piper_compile.passes.directive_passes import match
+from piper_compile.passes.directive_passes import check_ranks, match
 
 
 def apply_shard_tensor(dag: TrainingDAG, d: ShardTensor, ctx: PassContext) -> TrainingDAG:
     """Mark the matched regions tensor-parallel (their groups are resolved once placement is known)."""
-    if d.devices is not None:
-        bad = sorted(r for g in d.devices for r in g if r >= ctx.world_size)
-        if bad:
-            raise d.error(f"rank(s) {bad} are outside the world of {ctx.world_size} rank(s)",
-                          f"use ranks below {ctx.world_size}")
+    check_ranks(d, [r for g in d.devices or () for r in g], ctx)
     for n in match(dag, d, d.filter, ctx):
         dag.replace(n.with_attrs(tp_by=d.index, tp_stream=d.stream))
     dag.meta["tp"] = (d.index, d.devices, d.stream)

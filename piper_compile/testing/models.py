@@ -74,13 +74,17 @@ class Block(nn.Module):
         self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
         self.out = nn.Linear(4 * cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus causal self-attention of ``ln1(x)``."""
         b, t, c = x.shape
         # chunk and -1 (not split(c) / n_heads): under shard_tensor qkv holds this rank's heads only
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         q, k, v = (z.view(b, t, -1, c // self.heads).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -131,12 +135,7 @@ class MoEBlock(Block):
         self.moe = MoE(cfg.dim, 2 * cfg.dim, experts, top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        # chunk and -1 (not split(c) / n_heads): under shard_tensor qkv holds this rank's heads only
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (z.view(b, t, -1, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = self.attend(x)
         return x + self.moe(self.ln2(x))
 
 
