@@ -109,18 +109,10 @@ def _expert_shards(plan: Any, rank: int, sizes: Any) -> list[tuple[int, int, boo
     """Expert parallelism: for each expert weight rank ``rank`` shards, (full bytes, its shard's bytes,
     and whether the simulator counted it whole among the rank's parameters / gradients / trained
     bytes). The simulator counts expert weights at their full size; the rank holds ``1/G`` of them."""
-    from piper_compile.ir.dag import Kind, param_fqn
+    from piper_compile.sim.simulate import read_and_written
 
     program = plan.programs[rank]
-    read: set[str] = set()
-    grads: set[str] = set()
-    for ins in program.instrs:
-        n = ins.node
-        if n.kind is Kind.COMPUTE:
-            read.update(f for f in map(param_fqn, n.inputs) if f is not None)
-            grads.update(f for _, f in n.attr("grads") or ())
-        elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
-            grads.add(n.attr("state"))
+    read, grads = read_and_written(program)
     upd = program.update_node()
     trained = set(upd.attr("params")) if upd is not None else set()
     out = []

@@ -293,8 +293,8 @@ def trained_bytes(program: Program, sizes: Sizes) -> int:
     return out + sum(_shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w) for fqns, w, _ in zero.values())
 
 
-def state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
-    """(parameter, gradient) bytes rank ``program.rank`` keeps, ZeRO shards counted as shards."""
+def read_and_written(program: Program) -> tuple[set[str], set[str]]:
+    """Parameters the rank's compute steps read, and those whose gradients it writes or receives."""
     params: set[str] = set()
     grads: set[str] = set()
     for ins in program.instrs:
@@ -304,8 +304,14 @@ def state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
             grads.update(f for _, f in n.attr("grads") or ())
         elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
             grads.add(n.attr("state"))
-        elif n.kind is Kind.UPDATE:
-            grads.update(n.attr("params") or ())
+    return params, grads
+
+
+def state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
+    """(parameter, gradient) bytes rank ``program.rank`` keeps, ZeRO shards counted as shards."""
+    params, grads = read_and_written(program)
+    upd = program.update_node()
+    grads.update(upd.attr("params") or () if upd is not None else ())
     zero = zero_buckets(program)
     p_bytes = sizes.params_bytes(params)
     g_bytes = sizes.params_bytes(grads)
