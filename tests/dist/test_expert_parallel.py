@@ -25,7 +25,7 @@ def _counts(res: list[dict], layers: int, microbatches: int) -> None:
         assert r["collectives"]["ep_counts"] == layers * microbatches, r["collectives"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_layer_ep(world):
     res = run_parity(_ep("moe", {"experts": 4}, [piper.split(2), piper.replicate(), piper.shard({"EP": 0})]), world)
     _counts(res, 1, 2)
@@ -40,6 +40,7 @@ def test_moe_gpt_ep_top2(world):
     _counts(res, 2, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_imbalanced_routing_ranks_with_no_tokens(top_k):
     """Every token goes to experts 0..top_k-1 (top_k=1: all to one expert): on EP4 ranks 1-3 (and rank 0's
@@ -49,6 +50,7 @@ def test_imbalanced_routing_ranks_with_no_tokens(top_k):
     _counts(res, 1, 1)
 
 
+@pytest.mark.slow
 def test_forward_only_under_no_grad():
     run_parity(_ep("moe", {"experts": 4}, [piper.split(2), piper.replicate(), piper.shard({"EP": 0})],
                    no_grad_eval=True), 2)

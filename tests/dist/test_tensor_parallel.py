@@ -18,7 +18,7 @@ def _collectives(res: list[dict], tp_per_rank: int, grad: bool) -> None:
         assert ("grad" in r["collectives"]) == grad, r["collectives"]
 
 
-@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+@pytest.mark.parametrize("codegen", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_tp2_gpt(codegen):
     cfg = RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=[piper.split(2), piper.shard_tensor(TP)],
                     local_batch=4, tp=2, codegen=codegen)
