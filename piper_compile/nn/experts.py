@@ -33,23 +33,28 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w_gate: to
 
 
 def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | list[int],
-                            w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+                            w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                            accumulate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`grouped_swiglu` w.r.t. ``x`` and the three weights (hidden values recomputed)."""
+    """Gradients of :func:`grouped_swiglu` w.r.t. ``x`` and the three weights (hidden values recomputed).
+    ``accumulate``: existing weight-gradient buffers to add into (returned in place of new tensors)."""
     gx = torch.zeros_like(x)
-    gg, gu, gd = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
+    if accumulate is None:
+        gg, gu, gd = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
+    else:
+        gg, gu, gd = accumulate
     for e, a, b in _blocks(counts):
         xe, ge = x[a:b], gy[a:b]
         g_pre, u = xe @ w_gate[e], xe @ w_up[e]
         s = torch.sigmoid(g_pre)
         act = g_pre * s
         h = act * u
-        gd[e] = h.t() @ ge
+        gd[e].addmm_(h.t(), ge)
         gh = ge @ w_down[e].t()
         gu_pre = gh * act
         gg_pre = gh * u * (s * (1 + g_pre * (1 - s)))
-        gu[e] = xe.t() @ gu_pre
-        gg[e] = xe.t() @ gg_pre
+        gu[e].addmm_(xe.t(), gu_pre)
+        gg[e].addmm_(xe.t(), gg_pre)
         gx[a:b] = gg_pre @ w_gate[e].t() + gu_pre @ w_up[e].t()
     return gx, gg, gu, gd
 

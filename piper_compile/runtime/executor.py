@@ -229,8 +229,12 @@ class Executor:
                 if v in env and v in n.inputs and v not in n.outputs:
                     released[v] = _nbytes(env.pop(v))  # still counted live until the instruction ends
             if n.attr("ep_role"):
+                acc = None
+                weights = [param_fqn(v) for v in n.inputs[3:6]]  # backward experts: (.., w_gate, w_up, w_down)
+                if self.grads is not None and n.attr("grads") and {f for _, f in n.attr("grads")} == set(weights):
+                    acc = tuple(self.grads.view(f) for f in weights)  # expert weight grads straight into buffers
                 with torch.no_grad():  # the runtime computes gradients itself: build no autograd graph
-                    outs = expert.compute(n, inputs)
+                    outs = expert.compute(n, inputs, acc)
             else:
                 outs = self.segments[n.attr("segment")](inputs, key)
             del inputs
@@ -241,7 +245,8 @@ class Executor:
                 loss_sum.add_(env[n.attr("loss")].detach())
             if self.grads is not None and n.attr("grads"):
                 for v, fqn in n.attr("grads"):
-                    self.grads.accumulate(fqn, env[v])
+                    if env[v] is not None:  # None: the step accumulated it itself
+                        self.grads.accumulate(fqn, env[v])
                 self._note_grad_bytes()
 
         ran_early: set[int] = set()

@@ -70,8 +70,10 @@ def all_to_all(node: Node, inputs: list[Any], group: Any, size: int) -> tuple[An
     return _a2a(out, t, route.send_splits, route.recv_splits, group), [out], t
 
 
-def compute(node: Node, inputs: list[Any]) -> list[Any]:
-    """The local steps of a chain: the experts (forward or backward) and the final unpermute."""
+def compute(node: Node, inputs: list[Any], accumulate: tuple[torch.Tensor, ...] | None = None) -> list[Any]:
+    """The local steps of a chain: the experts (forward or backward) and the final unpermute. Backward
+    with ``accumulate`` (the weight-gradient buffers): the weight gradients are added into them in
+    place and returned as ``None``."""
     role, forward = node.attr("ep_role"), node.tag("PASS") == "F"
     if role == "experts" and forward:
         recv, route, wg, wu, wd = inputs
@@ -83,10 +85,11 @@ def compute(node: Node, inputs: list[Any]) -> list[Any]:
     if role == "experts":
         grecv, route, recv, wg, wu, wd = inputs
         perm = route.local_perm
-        gxs, gg, gu, gd = grouped_swiglu_backward(grecv[perm], recv[perm], route.local_counts, wg, wu, wd)
+        gxs, gg, gu, gd = grouped_swiglu_backward(grecv[perm], recv[perm], route.local_counts, wg, wu, wd,
+                                                  accumulate)  # type: ignore[arg-type]
         gx = torch.empty_like(gxs)
         gx[perm] = gxs
-        return [gx, gg, gu, gd]
+        return [gx, None, None, None] if accumulate is not None else [gx, gg, gu, gd]
     assert role == "unpermute", role
     back, route = inputs
     if forward:
