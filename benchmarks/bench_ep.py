@@ -51,7 +51,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, compare_losses, eager_dp_step,  # noqa: E402
                     global_batches, load_note, local_batch, piper_revision, timed_loop, to_global_mean)
-from zero_common import fmt_ranks, piper_extra, short_error, state_breakdown, tensor_peak  # noqa: E402
+from zero_common import (fmt_ranks, piper_extra, print_report, short_error, state_breakdown,  # noqa: E402
+                         tensor_peak)
 
 from piper_compile.nn.experts import grouped_swiglu, grouped_swiglu_backward, route  # noqa: E402
 from piper_compile.nn.moe import MoE  # noqa: E402
@@ -418,11 +419,7 @@ def main() -> None:
                     f"MiB, tensor peak reference {_mem(theirs, 'peak')} MiB; piper {why}")
         lines.append(line)
         print("  " + line, flush=True)
-    print("\n== details (per rank; tensor MiB: see zero_common.py)")
-    print("\n".join(details))
-    print(f"\n== EP: piper vs reference, median step time of the slowest rank ({spec.steps} timed steps)")
-    print("\n".join(lines))
-    print(f"after: {load_note()}")
+    print_report(details, f"EP: piper vs reference, median step time of the slowest rank ({spec.steps} timed steps)", lines)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
                     eager_dp_step, global_batches, load_note, local_batch, timed_loop, to_global_mean)
-from zero_common import (block_mib, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
+from zero_common import (block_mib, print_report, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
                          state_breakdown, tensor_peak)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
@@ -210,11 +210,7 @@ def main() -> None:
             if zero != ref:
                 compare_losses(f"world {world} loss {PEER_NAMES[zero]} vs {PEER_NAMES[ref]}", losses,
                                peer_losses[ref])
-    print("\n== details (per rank; tensor MiB: see zero_common.py)")
-    print("\n".join(details))
-    print(f"\n== ZeRO: piper vs peer, median step time of the slowest rank ({spec.steps} timed steps)")
-    print("\n".join(lines))
-    print(f"after: {load_note()}")
+    print_report(details, f"ZeRO: piper vs peer, median step time of the slowest rank ({spec.steps} timed steps)", lines)
 
 
 if __name__ == "__main__":

@@ -190,3 +190,14 @@ def short_error(e: BaseException, lines: int = 14) -> str:
 
 def fmt_ranks(xs: list[float], fmt: str = "{:.0f}") -> str:
     return " / ".join(fmt.format(x) for x in xs)
+
+
+def print_report(details: list[str], title: str, lines: list[str]) -> None:
+    """The per-rank details, then the summary lines under ``title``, then the machine load."""
+    from common import load_note
+
+    print("\n== details (per rank; tensor MiB: see zero_common.py)")
+    print("\n".join(details))
+    print(f"\n== {title}")
+    print("\n".join(lines))
+    print(f"after: {load_note()}")

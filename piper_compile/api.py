@@ -9,7 +9,7 @@ from torch import nn
 from piper_compile.backend import CompiledStep, Options, find_state, state_for
 from piper_compile.capture.joint import source_names
 from piper_compile.errors import PiperError
-from piper_compile.ir.dag import Kind, TrainingDAG
+from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
 
 
@@ -97,40 +97,9 @@ def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
     zero = cs.state.zero if cs.state is not None else None
     groups = cs.plans[False].executor.groups
     gathered = zero.gather_full(groups) if zero is not None else {}
-    gathered.update(_gather_experts(cs, groups, names))
-    gathered.update(_gather_tensor_shards(cs, groups, names))
+    shards = cs.state.shards
+    gathered.update({f: shards[f].gather(groups) for f in sorted(set(names) & set(shards))})  # EP / TP pieces
     return {f: gathered[f] if f in gathered else cs.joint.params[f].detach().clone() for f in names}
-
-
-def _gather_experts(cs: CompiledStep, groups: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    """Full expert weights from every rank's expert shards (collective over each expert-parallel group)."""
-    import torch.distributed as dist
-
-    out: dict[str, torch.Tensor] = {}
-    ep = cs.plans[False].dag.meta.get("ep_params", {})
-    for f in sorted(set(names) & set(ep)):
-        group, _, stream = ep[f]
-        local = cs.state.experts[f][0].detach()
-        parts = [torch.empty_like(local) for _ in group]
-        dist.all_gather(parts, local.contiguous(), group=groups.get(stream, group))
-        out[f] = torch.cat(parts)
-    return out
-
-
-def _gather_tensor_shards(cs: CompiledStep, groups: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    """Full tensor-parallel parameters from every rank's piece (collective over each TP group)."""
-    import torch.distributed as dist
-
-    out: dict[str, torch.Tensor] = {}
-    dag = cs.plans[False].dag
-    group = next((g for n in dag.of_kind(Kind.COMPUTE) for g in n.attr("tp_groups") or () if cs.rank in g), None)
-    stream = dag.meta.get("tp", (None, None, "tp"))[2]
-    for f in sorted(set(names) & set(cs.state.tensor_shards)):
-        local, spec, _ = cs.state.tensor_shards[f]
-        parts = [torch.empty_like(local) for _ in group]
-        dist.all_gather(parts, local.detach().contiguous(), group=groups.get(stream, group))
-        out[f] = spec.assemble(parts)
-    return out
 
 
 class StaticPlan:

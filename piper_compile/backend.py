@@ -22,6 +22,7 @@ from piper_compile.directives.spec import (
 )
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
+from piper_compile.ir.shard import ParamShard
 from piper_compile.passes.build import build_dag
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.driver import run_passes
@@ -141,7 +142,7 @@ class CompiledStep:
         self.segments: dict[str, Segment] = {}
         self.compiled: dict[str, CompiledSegment] = {}
         self.plans: dict[bool, Plan] = {}
-        self.tp_shards: dict[str, Any] = {}  # tensor parallel: fqn -> TPShard
+        self.tp_shards: dict[str, ParamShard] = {}  # tensor parallel: how capture split each layer
         self.state: TrainState | None = None
         self.rank, self.world = world or world_info()
 
@@ -235,9 +236,7 @@ class CompiledStep:
             groups.ensure(group_keys(dag, self.world))
         assert self.state is not None and self.joint is not None
         self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
-        self.state.ensure_experts(dag.meta.get("ep_params", {}), self.joint.params, self.rank)
-        tp_group = next((g for n in dag.of_kind(Kind.COMPUTE) for g in n.attr("tp_groups") or () if self.rank in g), None)
-        self.state.ensure_tensor_shards(self.tp_shards, tp_group, self.joint.params, self.rank)
+        self.state.ensure_shards(self._shard_specs(dag), self.joint.params, self.rank)
         if dag.meta.get("zero") and not forward_only:
             self.state.release_unused(_unread_params(dag, program))
         dp = len(dag.meta["loss_group"]) // dag.meta.get("tp_size", 1)  # ranks of a TP group share a batch
@@ -246,6 +245,16 @@ class CompiledStep:
                             forward_only)
         self.plans[forward_only] = Plan(dag, programs, executor)
         return self.plans[forward_only]
+
+    def _shard_specs(self, dag: TrainingDAG) -> dict[str, tuple[ParamShard, tuple[int, ...], str, str]]:
+        """Parameters split across ranks, with this rank's group: experts (``shard``) along the expert
+        index, and the layers ``shard_tensor`` split at capture."""
+        specs = {f: (ParamShard(f, 0, 1, len(g)), g, stream, "ep")
+                 for f, (g, _, stream) in dag.meta.get("ep_params", {}).items()}
+        group = next((g for n in dag.of_kind(Kind.COMPUTE) for g in n.attr("tp_groups") or () if self.rank in g), None)
+        if group is not None:
+            specs.update({f: (spec, group, dag.meta["tp"][2], "tp") for f, spec in self.tp_shards.items()})
+        return specs
 
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> tuple[torch.Tensor]:

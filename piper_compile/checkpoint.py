@@ -282,9 +282,10 @@ def _train_programs(st: Any, cs: Any) -> list[Any]:
 
 
 def _ctx_of(st: Any, cs: Any, module: nn.Module | None) -> _Ctx:
-    if getattr(st, "tensor_shards", None):
+    tp = [f for f, sh in st.shards.items() if sh.kind == "tp"]
+    if tp:
         raise PiperError("piper: checkpoints and full state dicts of tensor-parallel (shard_tensor) shards are not "
-                         f"supported yet ({len(st.tensor_shards)} split parameters); piper.trained_parameters(step) "
+                         f"supported yet ({len(tp)} split parameters); piper.trained_parameters(step) "
                          "gathers the full values, save those with torch.save")
     return _Ctx(st, cs, module, _train_programs(st, cs))
 
@@ -576,32 +577,10 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
     return vals
 
 
-def _ep_params(st: Any) -> dict[str, tuple[tuple[int, ...], int, str]]:
-    """fqn -> (group, experts, stream) of every expert-sharded weight (``dag.meta["ep_params"]``)."""
-    out: dict[str, tuple[tuple[int, ...], int, str]] = {}
-    for cs in st.steps:
-        for plan in cs.plans.values():
-            out.update(plan.dag.meta.get("ep_params", {}))
-    return out
-
-
 def _gather_experts(ctx: _Ctx) -> dict[str, torch.Tensor]:
     """Full expert weights of the expert-parallel groups this rank is in, all-gathered from the ranks'
     shards (the same order on every rank: sorted by fqn, each group's collectives on its own group)."""
-    out: dict[str, torch.Tensor] = {}
-    if not ctx.experts:
-        return out
-    ep = _ep_params(ctx.st)
-    for f in sorted(ctx.experts):
-        local = ctx.experts[f][0].detach()
-        group = ep[f][0] if f in ep else (ctx.rank,)
-        if len(group) == 1:
-            out[f] = local.clone()
-            continue
-        parts = [torch.empty_like(local) for _ in group]
-        dist.all_gather(parts, local.contiguous(), group=ctx.groups.get(ep[f][2], group))
-        out[f] = torch.cat(parts)
-    return out
+    return {f: ctx.st.shards[f].gather(ctx.groups) for f in sorted(ctx.experts)}
 
 
 def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = True) -> Any:

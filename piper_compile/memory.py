@@ -69,7 +69,7 @@ def _measured(cs: Any) -> MemoryFigures:
     zero = st.zero
     if zero is not None:
         tensors += [b.shard for b in zero.buckets.values() if b.shard is not None]
-    tensors += [local for local, _ in st.experts.values()]  # expert shards (the full weights hold no memory)
+    tensors += list(st.local_params().values())  # expert / tensor-parallel pieces (the full weights hold none)
     grads = ex.grads.nbytes() if ex.grads is not None else 0
     if zero is not None:
         grads += zero.grad_shard_bytes()  # 0 between steps: shards are dropped after the update
@@ -95,34 +95,8 @@ def _predicted(cs: Any) -> MemoryFigures:
         factor = 0
     sizes = Sizes.from_dag(plan.dag)
     trained = trained_bytes(plan.programs[r], sizes)
-    params, grads, grad_peak = res.param_bytes[r], res.grad_bytes[r], res.peak_grad_bytes.get(r, 0)
-    for full, local, in_params, in_grads, in_trained in _expert_shards(plan, r, sizes):
-        params -= (full - local) * in_params
-        grads -= (full - local) * in_grads  # expert gradients are persistent buffers of the shard's shape
-        grad_peak -= (full - local) * in_grads
-        trained -= (full - local) * in_trained
-    return MemoryFigures(params, grads, factor * trained, res.peak_activation_bytes[r],
-                         res.peak_gathered_bytes.get(r, 0), grad_peak)
-
-
-def _expert_shards(plan: Any, rank: int, sizes: Any) -> list[tuple[int, int, bool, bool, bool]]:
-    """Expert parallelism: for each expert weight rank ``rank`` shards, (full bytes, its shard's bytes,
-    and whether the simulator counted it whole among the rank's parameters / gradients / trained
-    bytes). The simulator counts expert weights at their full size; the rank holds ``1/G`` of them."""
-    from piper_compile.sim.simulate import read_and_written
-
-    program = plan.programs[rank]
-    read, grads = read_and_written(program)
-    upd = program.update_node()
-    trained = set(upd.attr("params")) if upd is not None else set()
-    out = []
-    for f, (group, _, _) in sorted(plan.dag.meta.get("ep_params", {}).items()):
-        if rank not in group:
-            continue
-        full = sizes.params_bytes([f])
-        local = full // len(group)
-        out.append((full, local, f in read, f in grads or f in trained, f in trained))
-    return out
+    return MemoryFigures(res.param_bytes[r], res.grad_bytes[r], factor * trained, res.peak_activation_bytes[r],
+                         res.peak_gathered_bytes.get(r, 0), res.peak_grad_bytes.get(r, 0))
 
 
 def memory_report(step: Any) -> MemoryReport:

@@ -24,6 +24,10 @@ Region = tuple[tuple[str, Any], ...]
 RESERVED_TAGS = {"PASS", "MB"}
 
 
+class RegionCycleError(PiperCaptureError):
+    """Segments of regions depend on each other in a cycle (no stage order can run them)."""
+
+
 def region_label(region: Region) -> str:
     return "".join(f"{k}{v}" for k, v in region)
 
@@ -289,12 +293,11 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
     them. Checks the segment graph is acyclic."""
     try:
         return _extract(joint, bucket_bytes, split_bw, chunk_fw, False)
-    except PiperCaptureError:  # e.g. RMSNorm backward's pow(rsqrt, 3) joined a forward region: retry
+    except RegionCycleError as first:  # e.g. RMSNorm backward's pow(rsqrt, 3) joined a forward region
         try:
             return _extract(joint, bucket_bytes, split_bw, chunk_fw, True)
-        except PiperCaptureError:
-            pass
-        raise
+        except RegionCycleError:
+            raise first from None  # the default rule's message names the regions as the user tagged them
 
 
 def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[Region], bool] | None,
@@ -428,7 +431,7 @@ def _check_acyclic(by_key: dict[Any, Segment], seg_of: dict[str, Any]) -> None:
                 cyc = path[path.index(d):] + [d] if d in path else [d, name]
                 via = ", ".join(f"{witness.get((b, a), '?')}" for a, b in zip(cyc, cyc[1:]))
                 regions = sorted({c.split('.')[1] for c in cyc})
-                raise PiperCaptureError(
+                raise RegionCycleError(
                     f"piper: region(s) {regions} are not contiguous: segments {' <- '.join(cyc)} depend on each "
                     f"other (through values {via}), so no stage order can run them. A region must be one "
                     "contiguous piece of the computation: annotate whole blocks, and do not come back to a "

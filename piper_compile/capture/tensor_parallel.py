@@ -14,7 +14,6 @@ which is why reshapes must infer the split dimension (``view(b, t, -1, head_dim)
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,33 +21,8 @@ from torch import fx
 
 from piper_compile.capture.joint import fqn_from_source
 from piper_compile.errors import PiperCaptureError
-from piper_compile.nn.tp import COPY_OP, ALLREDUCE_OP
-
-
-@dataclass(frozen=True)
-class TPShard:
-    """How one parameter is split over a tensor-parallel group of ``size`` ranks."""
-
-    fqn: str
-    dim: int  # 0: output features (colwise), 1: input features (rowwise)
-    parts: int  # fused equal blocks along ``dim``, each split separately (colwise:N)
-    size: int
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        out = list(shape)
-        out[self.dim] //= self.size
-        return tuple(out)
-
-    def take(self, full: torch.Tensor, r: int) -> torch.Tensor:
-        """Rank ``r``'s piece of ``full`` (a copy)."""
-        blocks = full.unflatten(self.dim, (self.parts, -1))
-        n = blocks.shape[self.dim + 1] // self.size
-        return blocks.narrow(self.dim + 1, r * n, n).flatten(self.dim, self.dim + 1).clone()
-
-    def assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's piece (in group order)."""
-        blocks = [p.unflatten(self.dim, (self.parts, -1)) for p in pieces]
-        return torch.cat(blocks, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
+from piper_compile.ir.shard import ParamShard
+from piper_compile.nn.tp import ALLREDUCE_OP, COPY_OP
 
 
 def _linear_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -61,13 +35,13 @@ def _arg(n: fx.Node, i: int, name: str) -> Any:
 
 
 def shard_linears(gm: fx.GraphModule, sources: list[str], params: tuple[tuple[str, str], ...],
-                  size: int) -> tuple[dict[str, TPShard], dict[int, tuple[int, ...]]]:
+                  size: int) -> tuple[dict[str, ParamShard], dict[int, tuple[int, ...]]]:
     """Insert the markers into ``gm`` (in place) for every linear layer matched by ``params``; returns
     the shards by parameter FQN and the local shape of every sharded placeholder (by position)."""
     phs = gm.graph.find_nodes(op="placeholder")
     fqn_of = {ph: fqn_from_source(src) for ph, src in zip(phs, sources)}
     index = {ph: i for i, ph in enumerate(phs)}
-    shards: dict[str, TPShard] = {}
+    shards: dict[str, ParamShard] = {}
     shapes: dict[int, tuple[int, ...]] = {}
     matched: set[str] = set()
     for lin in _linear_nodes(gm):
@@ -105,7 +79,7 @@ def shard_linears(gm: fx.GraphModule, sources: list[str], params: tuple[tuple[st
             targets = [(w, 1)]
         for t, dim in targets:
             if isinstance(t, fx.Node):
-                shard = TPShard(fqn_of[t], dim, parts if dim == 0 else 1, size)
+                shard = ParamShard(fqn_of[t], dim, parts if dim == 0 else 1, size)
                 shards[shard.fqn] = shard
                 shapes[index[t]] = shard.local_shape(tuple(t.meta["example_value"].shape))
     unmatched = [pat for pat, _ in params if pat not in matched]

@@ -14,24 +14,16 @@ from typing import Any
 import torch
 
 
-@torch.library.custom_op("piper::tp_allreduce", mutates_args=())
-def _tp_allreduce(x: torch.Tensor) -> torch.Tensor:
-    return x.clone()
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()  # a custom op may not return its input
 
 
-@_tp_allreduce.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("piper::tp_copy", mutates_args=())
-def _tp_copy(x: torch.Tensor) -> torch.Tensor:
-    return x.clone()
-
-
-@_tp_copy.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+for _name in ("tp_allreduce", "tp_copy"):
+    torch.library.custom_op(f"piper::{_name}", _identity, mutates_args=()).register_fake(_like)
 
 
 def _no_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

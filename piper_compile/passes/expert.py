@@ -13,6 +13,11 @@ are not reduced across the group (``dag.meta["ep_params"]`` lists them for the g
 """
 from __future__ import annotations
 
+import operator
+
+from torch import fx
+
+from piper_compile.capture.segments import boundary_kind
 from piper_compile.directives.spec import Shard
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, param_fqn
@@ -42,18 +47,15 @@ def _derived(value: str, what: str) -> str:
     return f"{base}.{what}{sep}{mb}"
 
 
+def _op_node(ctx: PassContext, n: Node) -> fx.Node:
+    """The expert op of step ``n``'s segment."""
+    return next(x for x in ctx.segments[n.attr("segment")].gm.graph.nodes if boundary_kind(x))
+
+
 def _op_args(ctx: PassContext, n: Node) -> dict[int, str]:
     """Argument position of the op -> the node's input value (through the segment's placeholders)."""
-    seg = ctx.segments[n.attr("segment")]
-    phs = {p.name: i for i, p in enumerate(seg.gm.graph.find_nodes(op="placeholder"))}
-    op = next(x for x in seg.gm.graph.nodes if x.op == "call_function" and x.target.__name__.startswith("moe_experts"))
-    return {k: n.inputs[phs[a.name]] for k, a in enumerate(op.args)}
-
-
-def _experts_count(ctx: PassContext, n: Node, weight_arg: int) -> int:
-    seg = ctx.segments[n.attr("segment")]
-    op = next(x for x in seg.gm.graph.nodes if x.op == "call_function" and x.target.__name__.startswith("moe_experts"))
-    return int(op.args[weight_arg].meta["val"].shape[0])
+    phs = {p.name: i for i, p in enumerate(ctx.segments[n.attr("segment")].gm.graph.find_nodes(op="placeholder"))}
+    return {k: n.inputs[phs[a.name]] for k, a in enumerate(_op_node(ctx, n).args)}
 
 
 def _group(n: Node) -> tuple[int, ...]:
@@ -110,7 +112,7 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
             continue
         args = _op_args(ctx, n)
         w0 = 2 if n.attr("boundary") == "moe_fwd" else 3
-        experts = _experts_count(ctx, n, w0)
+        experts = int(_op_node(ctx, n).args[w0].meta["val"].shape[0])
         if experts % len(group):
             raise PiperDirectiveError(n.attr("ep_by"), {"shard": n.name},
                                       f"{experts} experts do not split evenly over {len(group)} ranks {list(group)}",
@@ -145,10 +147,14 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
             ggrecv, gxrecv, gxback = (_derived(y, w) for w in ("grecv", "gxrecv", "gxback"))
             gx = grad_outs.get(0)
             ws = tuple(grad_outs.get(i + 1) or _derived(y, f"gw{i}") for i in range(3))
+            grads = dict(n.attr("grads") or ())
+            if all(w in grads for w in ws):  # the step adds the weight grads straight into their buffers
+                extra: dict[str, object] = {"grads": tuple((w, grads[w]) for w in ws), "accumulate_grads": True}
+            else:
+                extra = {"grads": n.attr("grads")}
             chain = [
                 ("dispatch", Kind.ALL_TO_ALL, (gy, route), (ggrecv,), info),
-                ("experts", Kind.COMPUTE, (ggrecv, route, recv) + weights, (gxrecv,) + ws,
-                 {**info, "grads": n.attr("grads")}),
+                ("experts", Kind.COMPUTE, (ggrecv, route, recv) + weights, (gxrecv,) + ws, {**info, **extra}),
             ]
             if gx is not None:
                 chain += [("combine", Kind.ALL_TO_ALL, (gxrecv, route), (gxback,), info),
@@ -159,8 +165,6 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
 
 def _grad_outputs(seg: object, n: Node) -> dict[int, str]:
     """Output index of the backward op (0: input grad, 1-3: weight grads) -> the node's output value."""
-    import operator
-
     out_node = seg.gm.graph.find_nodes(op="output")[0]  # type: ignore[attr-defined]
     where = {a.name: i for i, a in enumerate(out_node.args[0])}
     res: dict[int, str] = {}

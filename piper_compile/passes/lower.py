@@ -204,9 +204,6 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         tp = next((w.attr("tp_groups") for f in fqns for w in writers[f] if w.attr("tp_groups")), None)
         sub = dp_subgroups(tp) if tp else None
         alone = len(group) == 1 or (sub is not None and len(sub[0]) == 1)  # nothing to reduce with
-        if tp and layout.get(group) is not None:
-            raise PiperDirectiveError(None, {"zero": layout[group].level}, "ZeRO with shard_tensor is not supported "
-                                      "yet", "use zero=0 on tensor-parallel regions")
         if not alone and any(f not in ep for f in fqns):
             update_deps[group] += _reduce_group(dag, group, [f for f in fqns if f not in ep], writers,
                                                 layout.get(group), ready_after, sub)

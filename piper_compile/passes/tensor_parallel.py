@@ -59,6 +59,9 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
                                           "but the directive's filter does not match its region",
                                           "widen the filter (or leave it empty) to cover every sharded layer")
             continue
+        if n.attr("zero", 0) and len(n.devices) > 1:
+            raise PiperDirectiveError(index, {"zero": n.attr("zero")}, "ZeRO with shard_tensor is not supported yet",
+                                      "use zero=0 on tensor-parallel regions")
         groups = tp_groups(n.devices, spec, index)
         sizes.add(len(groups[0]))
         dag.replace(n.with_attrs(tp_groups=groups))

@@ -230,9 +230,8 @@ class Executor:
                     released[v] = _nbytes(env.pop(v))  # still counted live until the instruction ends
             if n.attr("ep_role"):
                 acc = None
-                weights = [param_fqn(v) for v in n.inputs[3:6]]  # backward experts: (.., w_gate, w_up, w_down)
-                if self.grads is not None and n.attr("grads") and {f for _, f in n.attr("grads")} == set(weights):
-                    acc = tuple(self.grads.view(f) for f in weights)  # expert weight grads straight into buffers
+                if n.attr("accumulate_grads") and self.grads is not None:  # w_gate, w_up, w_down in order
+                    acc = tuple(self.grads.view(f) for _, f in n.attr("grads"))
                 with torch.no_grad():  # the runtime computes gradients itself: build no autograd graph
                     outs = expert.compute(n, inputs, acc)
             else:
@@ -295,7 +294,7 @@ class Executor:
                 t = t if n.inputs[0] in ins.frees else t.clone()  # reduced in place at its last use
                 env[n.outputs[0]] = t
                 live += _nbytes(t)
-                self.stats.collectives["tp"] = self.stats.collectives.get("tp", 0) + 1
+                self._count("tp")
                 pending[n.name] = (dist.all_reduce(t, group=self.groups.get(n.stream, self._subgroup(n)),
                                                    async_op=True), ins, pos)
             elif n.kind is Kind.ALL_REDUCE:
@@ -312,9 +311,9 @@ class Executor:
                 with torch.no_grad():
                     work, outs, sending = expert.all_to_all(n, [get(v) for v in n.inputs],
                                                             self.groups.get(n.stream, n.devices), len(n.devices))
-                self.stats.collectives["ep"] = self.stats.collectives.get("ep", 0) + 1
+                self._count("ep")
                 if n.attr("ep_role") == "dispatch" and n.tag("PASS") == "F":
-                    self.stats.collectives["ep_counts"] = self.stats.collectives.get("ep_counts", 0) + 1
+                    self._count("ep_counts")
                 env.update(zip(n.outputs, outs))
                 live += sum(_nbytes(t) for t in outs)
                 self._sending[n.name] = sending  # alive until the all-to-all completes
@@ -344,7 +343,7 @@ class Executor:
 
     def _all_reduce(self, ins: Instr, loss_sum: torch.Tensor, result: dict[str, torch.Tensor]) -> Any:
         n = ins.node
-        self.stats.collectives[n.attr("purpose")] = self.stats.collectives.get(n.attr("purpose"), 0) + 1
+        self._count(n.attr("purpose"))
         if n.attr("purpose") == "loss":
             holders = n.attr("holders")
             t = loss_sum / (self.m * len(holders)) if self.rank in holders else torch.zeros_like(loss_sum)
@@ -357,6 +356,9 @@ class Executor:
         if len(n.devices) == 1:
             return None
         return dist.all_reduce(t, group=self.groups.get(n.stream, self._subgroup(n)), async_op=True)
+
+    def _count(self, purpose: str) -> None:
+        self.stats.collectives[purpose] = self.stats.collectives.get(purpose, 0) + 1
 
     def _subgroup(self, n: Any) -> tuple[int, ...]:
         """The ranks this rank runs collective ``n`` with: its own subgroup under tensor parallelism."""
@@ -379,7 +381,7 @@ class Executor:
         for name in list(self._keep):
             self._wait(pending, name)
         n = ins.node
-        self.stats.collectives["grad"] = self.stats.collectives.get("grad", 0) + 1
+        self._count("grad")
         assert self.state.zero is not None and self.grads is not None
         b = n.attr("bucket")
         full = self.grads.bucket(b)
@@ -396,7 +398,7 @@ class Executor:
         """ZeRO parameter all-gather: before a compute step (ZeRO-3; its parameters become values of
         that step) or after the update (ZeRO-1/2; into the full flat parameters)."""
         n = ins.node
-        self.stats.collectives["param"] = self.stats.collectives.get("param", 0) + 1
+        self._count("param")
         zero = self.state.zero
         assert zero is not None
         group = self.groups.get(n.stream, n.devices)

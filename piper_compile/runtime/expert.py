@@ -99,11 +99,3 @@ def compute(node: Node, inputs: list[Any], accumulate: tuple[torch.Tensor, ...] 
     gx = back.new_zeros(route.tokens, back.shape[-1])
     gx.index_add_(0, route.order // route.top_k, back)
     return [gx]
-
-
-def local_slice(group: tuple[int, ...], rank: int, experts: int) -> slice:
-    """The experts ``rank`` holds in ``group``."""
-    size = len(group)
-    r = sorted(group).index(rank)
-    local = experts // size
-    return slice(r * local, (r + 1) * local)

@@ -3,6 +3,7 @@ the optimizer, gradient storage (flat per bucket; each parameter's gradient is a
 the one-time broadcast of rank 0's weights."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -12,8 +13,36 @@ from torch import nn
 from piper_compile.capture.joint import JointGraph
 from piper_compile.errors import PiperError
 from piper_compile.ir.dag import Kind
+from piper_compile.ir.shard import ParamShard
 from piper_compile.plan.program import Program
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
+
+@dataclass
+class LocalShard:
+    """This rank's piece of a parameter split across ``group`` (``kind``: "ep" experts, "tp" tensor parallel)."""
+
+    param: nn.Parameter
+    spec: ParamShard
+    rank: int  # position in the sorted group
+    group: tuple[int, ...]
+    stream: str  # the process group's stream (gathers run there)
+    kind: str
+
+    @property
+    def rows(self) -> slice | None:
+        """The slice of dim 0 of the full parameter this piece is, when it is one (experts)."""
+        n = self.param.shape[0]
+        return slice(self.rank * n, (self.rank + 1) * n) if self.spec.dim == 0 and self.spec.parts == 1 else None
+
+    def gather(self, groups: Any) -> torch.Tensor:
+        """The full parameter from every rank's piece (collective over ``group``)."""
+        local = self.param.detach().contiguous()
+        if len(self.group) == 1:
+            return local.clone()
+        parts = [torch.empty_like(local) for _ in self.group]
+        dist.all_gather(parts, local, group=groups.get(self.stream, self.group))
+        return self.spec.assemble(parts)
+
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -124,9 +153,8 @@ class TrainState:
         self.named: dict[str, nn.Parameter] = {}
         self.to_release: set[str] = set()
         self.released: set[str] = set()  # parameters whose storage this rank gave back (other stages)
-        self.experts: dict[str, tuple[nn.Parameter, slice]] = {}  # expert-parallel shards: fqn -> (local, slice)
-        self.experts_filled = False
-        self.tensor_shards: dict[str, tuple[nn.Parameter, Any, int]] = {}  # tensor parallel: fqn -> (local, TPShard, r)
+        self.shards: dict[str, LocalShard] = {}  # expert / tensor-parallel pieces this rank holds, by fqn
+        self.shards_filled = False
         self.hooks_installed = False
         self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
         self.first_call_done = False
@@ -146,54 +174,41 @@ class TrainState:
             raise PiperError("piper: internal: the training and forward-only programs disagree on the ZeRO "
                              f"shard layout ({sorted(have)} vs {sorted(layout)})")
 
-    def ensure_experts(self, ep_params: dict[str, tuple[tuple[int, ...], int, str]], named: dict[str, nn.Parameter],
-                       rank: int) -> None:
-        """Expert parallelism: this rank keeps only its experts of each sharded expert weight, as a local
-        parameter the optimizer owns (filled from the full weight at ``shard()``, after rank 0's weights
-        were broadcast; the full weight's memory is then released)."""
-        from piper_compile.runtime.expert import local_slice
-
-        for fqn, (group, experts, _) in ep_params.items():
+    def ensure_shards(self, specs: dict[str, tuple[ParamShard, tuple[int, ...], str, str]],
+                      named: dict[str, nn.Parameter], rank: int) -> None:
+        """Expert / tensor parallelism: for every ``fqn -> (spec, group, stream, kind)`` whose group holds
+        this rank, keep only this rank's piece as a local parameter the optimizer owns (filled from the
+        full weight at ``shard()``, after rank 0's weights were broadcast; the full weight's memory is then
+        released). Every compiled program of the model must split a parameter the same way."""
+        for fqn, (spec, group, stream, kind) in specs.items():
             if rank not in group:
                 continue
-            sl = local_slice(group, rank, experts)
-            have = self.experts.get(fqn)
+            have = self.shards.get(fqn)
             if have is not None:
-                if have[1] != sl:
-                    raise PiperError(f"piper: {fqn} is expert-sharded differently by two compiled programs "
-                                     f"({have[1]} vs {sl}); use one shard directive for both")
-                continue
-            full = named[fqn]
-            local = nn.Parameter(torch.empty((sl.stop - sl.start, *full.shape[1:]), dtype=full.dtype,
-                                             device=full.device))
-            self.experts[fqn] = (local, sl)
-            self.experts_filled = False
-
-    def ensure_tensor_shards(self, shards: dict[str, Any], group: tuple[int, ...] | None,
-                             named: dict[str, nn.Parameter], rank: int) -> None:
-        """Tensor parallelism: this rank keeps its piece (``TPShard.take``) of every split parameter as a
-        local parameter the optimizer owns, filled at ``shard()`` like the expert shards."""
-        if group is None:
-            return
-        r = sorted(group).index(rank)
-        for fqn, spec in shards.items():
-            if fqn in self.tensor_shards or fqn not in named:
+                if have.spec != spec or have.group != group:
+                    raise PiperError(f"piper: {fqn} is split differently by two compiled programs ({have.spec} on "
+                                     f"{list(have.group)} vs {spec} on {list(group)}); use the same directives")
                 continue
             full = named[fqn]
             local = nn.Parameter(torch.empty(spec.local_shape(tuple(full.shape)), dtype=full.dtype,
                                              device=full.device))
-            self.tensor_shards[fqn] = (local, spec, r)
-            self.experts_filled = False
+            self.shards[fqn] = LocalShard(local, spec, sorted(group).index(rank), group, stream, kind)
+            self.shards_filled = False
+
+    @property
+    def experts(self) -> dict[str, tuple[nn.Parameter, slice]]:
+        """Expert shards: fqn -> (local parameter, the experts it holds)."""
+        return {f: (s.param, s.rows) for f, s in self.shards.items() if s.kind == "ep"}  # type: ignore[misc]
 
     def local_param(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """What this rank computes with for parameter ``fqn``: its expert or tensor-parallel shard, or the
         parameter itself."""
-        e = self.experts.get(fqn) or self.tensor_shards.get(fqn)
-        return full if e is None else e[0]
+        s = self.shards.get(fqn)
+        return full if s is None else s.param
 
     def local_params(self) -> dict[str, nn.Parameter]:
         """Every local shard (expert and tensor parallel) by FQN."""
-        return {**{f: p for f, (p, _) in self.experts.items()}, **{f: v[0] for f, v in self.tensor_shards.items()}}
+        return {f: s.param for f, s in self.shards.items()}
 
     def release_unused(self, fqns: Iterable[str]) -> None:
         """Under ZeRO with pipeline stages: parameters this rank never reads (other stages' weights) give
@@ -207,19 +222,14 @@ class TrainState:
         for f in sorted(self.to_release - self.released):
             free_storage(self.named[f])
             self.released.add(f)
-        if (self.experts or self.tensor_shards) and not self.experts_filled:
+        if self.shards and not self.shards_filled:
             with torch.no_grad():
-                for f, (local, sl) in self.experts.items():
+                for f, sh in self.shards.items():
                     if f not in self.released:
-                        local.copy_(self.named[f][sl])
+                        sh.param.copy_(sh.spec.take(self.named[f], sh.rank))
                         free_storage(self.named[f])
                         self.released.add(f)
-                for f, (local, spec, r) in self.tensor_shards.items():
-                    if f not in self.released:
-                        local.copy_(spec.take(self.named[f], r))
-                        free_storage(self.named[f])
-                        self.released.add(f)
-            self.experts_filled = True
+            self.shards_filled = True
             if self.optimizer is not None:
                 self._rewire_optimizer(self.optimizer)
         if self.zero is None or self.zero.sharded:
@@ -242,7 +252,7 @@ class TrainState:
 
     def _optimizer_params(self) -> list[nn.Parameter]:
         if self.zero is None or not self.zero.sharded:
-            if not self.experts and not self.tensor_shards:
+            if not self.shards:
                 return list(self.params)
             fqn_of = {id(p): f for f, p in self.named.items()}
             return [self.local_param(fqn_of.get(id(p), ""), p) for p in self.params]  # type: ignore[misc]

@@ -112,6 +112,9 @@ class Sizes:
                 if value.startswith("param:") and isinstance(val, torch.Tensor):
                     out.params_numel[value[len("param:"):]] = numel(val.shape, syms)
                     out.params[value[len("param:"):]] = numel(val.shape, syms) * val.dtype.itemsize
+        for f, (group, _, _) in dag.meta.get("ep_params", {}).items():  # a rank holds E/G experts
+            out.params_numel[f] //= len(group)
+            out.params[f] //= len(group)
         for n in dag.of_kind(Kind.RECV):
             if n.attr("state"):
                 out.messages[n.attr("msg")] = out.params.get(n.attr("state"), 0)

@@ -121,23 +121,14 @@ def build_qwen3_moe(seed: int | None = 0, adapt: bool = True, **overrides: Any) 
 class Qwen3MoeLoss(LlamaLoss):
     """:class:`LlamaLoss` over :func:`build_qwen3_moe` (adapted, so ``piper.shard({"EP": "*"})`` shards
     its experts). The router load-balancing loss is left out (``output_router_logits`` off): it is a
-    product of batch means, so it would not equal its mean over micro-batches.
-
-    ``tag_layers`` also tags each whole decoder layer ``EP=<i>``, so the attention and norms around each MoE
-    block share its region. Needed while capture assigns backward nodes computed from forward values alone
-    (an RMSNorm backward's ``pow(rsqrt(var), 3)``) to the region of their forward input instead of the
-    backward that uses them: with only the MoE blocks tagged, layer 1's norm runs in region EP0 in forward
-    and that value feeds B.EP1, and capture reports regions EP0/EP1 "not contiguous"."""
+    product of batch means, so it would not equal its mean over micro-batches."""
 
     def __init__(self, seq: int = 16, hf_loss: bool = False, seed: int | None = None, adapt: bool = True,
-                 tag_layers: bool = False, **config: Any) -> None:
+                 **config: Any) -> None:
         nn.Module.__init__(self)
         self.model = build_qwen3_moe(seed=seed, adapt=adapt, **config)
         self.seq = seq
         self.hf_loss = hf_loss
-        if tag_layers:  # the MoE block inside keeps its own EP=i tag
-            for i, layer in enumerate(decoder_layers(self.model)):
-                annotate(layer, EP=i)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -62,7 +62,7 @@ def test_qwen3_moe_ep2():
     gradients (see test_expert_parallel)."""
     layers, m = 2, 2
     directives = [piper.split(m), piper.replicate(), piper.shard({"EP": "*"})]
-    cfg = RunConfig(model="qwen3moe", model_kwargs={"num_hidden_layers": layers, "tag_layers": False},
+    cfg = RunConfig(model="qwen3moe", model_kwargs={"num_hidden_layers": layers},
                     directives=directives, steps=3, local_batch=4, optimizer=SGD)
     res, ref = run_hf_parity(cfg, 2)
     loss_diff, param_diff = max_differences(res, ref)

@@ -34,10 +34,19 @@ def test_ep_chain_per_microbatch_and_no_reduction_of_expert_shards():
     assert "dispatch" in text and "combine" in text
 
 
-def test_ep_plan_simulates():
+def test_ep_plan_simulates_and_costs_the_routed_rows():
+    """The simulator charges each all-to-all for every (token, choice) row: micro-batch of 2 sequences x 8
+    tokens, top-2, 16 features, fp32, of which 3/4 leave the rank on EP4."""
+    from piper_compile.sim.cost import FlopCost
+
     p = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0})], world=4)
-    res = simulate_plan(p)
-    assert res.step_time > 0
+    assert simulate_plan(p).step_time > 0
+    cost = FlopCost(bytes_per_s=1e9, latency_s=0.0)
+    cost.bind(p.dag)
+    a2a = [i for i in p.programs[0].instrs if i.node.kind is Kind.ALL_TO_ALL]
+    rows_bytes = 2 * 8 * 2 * 16 * 4
+    for ins in a2a:
+        assert cost.duration(ins, 0) == pytest.approx(0.75 * rows_bytes / 1e9)
 
 
 def test_single_rank_shard_keeps_the_op():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import piper_compile as piper
-from piper_compile.capture.tensor_parallel import TPShard
+from piper_compile.ir.shard import ParamShard
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind
 from piper_compile.testing.models import build_model
@@ -31,11 +31,11 @@ def test_tp_plan_all_reduces_and_local_shapes():
 
 def test_tp_shard_take_and_assemble_round_trip():
     full = torch.arange(24.0).view(12, 2)
-    for spec in (TPShard("w", 0, 3, 2), TPShard("w", 0, 1, 2), TPShard("w", 1, 1, 2)):
+    for spec in (ParamShard("w", 0, 3, 2), ParamShard("w", 0, 1, 2), ParamShard("w", 1, 1, 2)):
         pieces = [spec.take(full, r) for r in range(2)]
         assert pieces[0].shape == spec.local_shape(tuple(full.shape))
         assert torch.equal(spec.assemble(pieces), full)
-    q0 = TPShard("w", 0, 3, 2).take(full, 0)  # first half of each fused block (q, k, v)
+    q0 = ParamShard("w", 0, 3, 2).take(full, 0)  # first half of each fused block (q, k, v)
     assert torch.equal(q0, torch.cat([full[0:2], full[4:6], full[8:10]]))
 
 
