@@ -143,6 +143,7 @@ class CompiledStep:
         self.compiled: dict[str, CompiledSegment] = {}
         self.plans: dict[bool, Plan] = {}
         self.tp_shards: dict[str, ParamShard] = {}  # tensor parallel: how capture split each layer
+        self.tp_partial: frozenset[str] = frozenset()  # sequence parallel: gradients summed over the TP group
         self.state: TrainState | None = None
         self.rank, self.world = world or world_info()
 
@@ -172,6 +173,10 @@ class CompiledStep:
         else:
             size = self.world
         self.tp_shards, shapes = shard_linears(self.gm, self.sources, d.params, size)
+        if d.sequence_parallel:
+            from piper_compile.capture.sequence_parallel import split_sequence
+
+            self.tp_partial = split_sequence(self.gm, self.sources, d.seq_dim, size)
         return local_fakes(self.gm, shapes)
 
     def _capture(self) -> None:
@@ -208,7 +213,8 @@ class CompiledStep:
         batched = {s.value for s in j.inputs if s.batched}
         static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbols)
         return PassContext(self.world, self.segments, batched, {str(x) for x in j.batch_symbols},
-                           j.batch_size, forward_only, static_op, clip_grad_norm=self.options.clip_grad_norm)
+                           j.batch_size, forward_only, static_op, clip_grad_norm=self.options.clip_grad_norm,
+                           tp_partial=self.tp_partial)
 
     def build(self, forward_only: bool) -> tuple[TrainingDAG, list[Program]]:
         """The lowered DAG and every rank's verified program (no process group needed)."""
@@ -226,7 +232,7 @@ class CompiledStep:
         dag, programs = self.build(forward_only)
         program = programs[self.rank]
         seg_names = {i.node.attr("segment") for i in program.instrs
-                     if i.node.attr("segment") and not i.node.attr("ep_role")}  # EP steps run runtime/expert.py
+                     if i.node.attr("segment") and not i.node.attr("ep_role") and not i.node.attr("tp_role")}
         for name in seg_names:
             if name not in self.compiled:
                 self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)

@@ -45,18 +45,21 @@ class Segment:
     loss: str | None = None  # output value that is the loss
     grads: tuple[tuple[str, str], ...] = ()  # (output value, param fqn)
     out_meta: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)  # value -> (shape, dtype)
-    boundary: str | None = None  # "moe_fwd" / "moe_bwd" / "tp_allreduce": the segment is that one op
+    boundary: str | None = None  # "moe_fwd" / "moe_bwd" / "tp_allreduce" / ...: the segment is that one op
 
 
 def boundary_kind(node: fx.Node) -> str | None:
     """Ops that get a segment of their own, so a directive can replace them by communication plus local
-    compute: the experts of :class:`piper_compile.nn.MoE` (``shard`` makes them expert parallel)."""
+    compute: the experts of :class:`piper_compile.nn.MoE` (``shard`` makes them expert parallel) and the
+    tensor/sequence-parallel markers of :mod:`piper_compile.nn.tp` (``shard_tensor``)."""
     if node.op != "call_function":
         return None
     from piper_compile.nn.moe import BACKWARD_OP, FORWARD_OP
-    from piper_compile.nn.tp import ALLREDUCE_OP
+    from piper_compile.nn import tp
 
-    return {FORWARD_OP: "moe_fwd", BACKWARD_OP: "moe_bwd", ALLREDUCE_OP: "tp_allreduce"}.get(node.target)  # type: ignore[arg-type]
+    return {FORWARD_OP: "moe_fwd", BACKWARD_OP: "moe_bwd", tp.ALLREDUCE_OP: "tp_allreduce",
+            tp.ALL_GATHER_OP: "tp_all_gather", tp.REDUCE_SCATTER_OP: "tp_reduce_scatter",
+            tp.GATHER_OP: "tp_gather", tp.SCATTER_OP: "tp_scatter"}.get(node.target)  # type: ignore[arg-type]
 
 
 def _cut_at_nested(chunks: list[list[fx.Node]], nested: list[int], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:

@@ -52,13 +52,18 @@ def shard(filter: Filter | None = None, devices: Sequence[int] | None = None, st
 
 
 def shard_tensor(params: dict[str, str], filter: Filter | None = None,
-                 devices: Sequence[int] | Sequence[Sequence[int]] | None = None, stream: str = "tp") -> dict[str, Any]:
+                 devices: Sequence[int] | Sequence[Sequence[int]] | None = None, stream: str = "tp",
+                 sequence_parallel: bool = False, seq_dim: int = 1) -> dict[str, Any]:
     """Tensor parallelism: ``params`` maps module-name globs of ``nn.Linear`` layers to ``colwise`` (output
     features split; ``colwise:N`` for N fused blocks like qkv), or ``rowwise`` (input features split, the
     partial outputs all-reduced). ``devices``: the tensor-parallel groups (default: the regions' group);
     ranks of one group receive the same batch. Reshapes after a colwise layer must infer the head count
-    (``view(b, t, -1, head_dim)``)."""
+    (``view(b, t, -1, head_dim)``). ``sequence_parallel``: activations outside the sharded layers
+    (norms, residual adds) are split along ``seq_dim`` across the group (Megatron sequence parallelism:
+    reduce-scatter after row-parallel layers, all-gather before column-parallel ones)."""
     d: dict[str, Any] = {"op": "shard_tensor", "filter": dict(filter or {}), "params": dict(params), "stream": stream}
+    if sequence_parallel:
+        d.update(sequence_parallel=True, seq_dim=seq_dim)
     if devices is not None:
         d["devices"] = [list(g) for g in devices] if devices and not isinstance(devices[0], int) else list(devices)
     return d

@@ -109,16 +109,22 @@ SHARDINGS = ("colwise", "rowwise")
 class ShardTensor(Directive):
     """Tensor parallelism (Megatron): linear layers whose module name matches a key of ``params`` are
     split column-wise (output features; ``colwise:N`` for N fused equal blocks such as qkv) or row-wise
-    (input features, followed by an all-reduce) over each tensor-parallel group in ``devices``."""
+    (input features, followed by an all-reduce) over each tensor-parallel group in ``devices``.
+    ``sequence_parallel``: between the sharded layers, activations are split along ``seq_dim`` (the
+    all-reduce becomes a reduce-scatter, the input of a column-parallel layer an all-gather)."""
 
     filter: Filter = field(default_factory=dict)
     devices: tuple[tuple[int, ...], ...] | None = None  # TP groups; default: the regions' device group
     params: tuple[tuple[str, str], ...] = ()  # (module-name glob, colwise | colwise:N | rowwise)
     stream: str = "tp"
+    sequence_parallel: bool = False
+    seq_dim: int = 1
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"op": "shard_tensor", "filter": dict(self.filter), "params": dict(self.params),
                              "stream": self.stream}
+        if self.sequence_parallel:
+            d.update(sequence_parallel=True, seq_dim=self.seq_dim)
         if self.devices is not None:
             d["devices"] = [list(g) for g in self.devices]
         return d
@@ -266,7 +272,7 @@ def _parse_shard(i: int, raw: dict) -> Shard:
 
 
 def _parse_shard_tensor(i: int, raw: dict) -> ShardTensor:
-    _allowed(i, raw, {"filter", "devices", "params", "stream"})
+    _allowed(i, raw, {"filter", "devices", "params", "stream", "sequence_parallel", "seq_dim"})
     params = raw.get("params")
     if not isinstance(params, dict) or not params:
         raise PiperDirectiveError(i, raw, "shard_tensor needs 'params': module name -> colwise | rowwise",
@@ -287,8 +293,13 @@ def _parse_shard_tensor(i: int, raw: dict) -> ShardTensor:
             raise PiperDirectiveError(i, raw, f"devices {raw_devs} must be disjoint tensor-parallel groups of one size",
                                       'write e.g. "devices": [[0, 1], [2, 3]]')
     stream = _check_type(i, raw, "stream", (str,), "a string") if raw.get("stream") is not None else "tp"
+    sp = _check_type(i, raw, "sequence_parallel", (bool,), "true or false") if "sequence_parallel" in raw else False
+    seq_dim = _check_type(i, raw, "seq_dim", (int,), "an int") if "seq_dim" in raw else 1
+    if seq_dim < 0:
+        raise PiperDirectiveError(i, raw, f"seq_dim must be >= 0 (counted from the front of the activations' "
+                                  f"shape), got {seq_dim}", 'write e.g. "seq_dim": 1 for [batch, seq, hidden]')
     return ShardTensor(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices,
-                       params=tuple(sorted(params.items())), stream=stream)
+                       params=tuple(sorted(params.items())), stream=stream, sequence_parallel=sp, seq_dim=seq_dim)
 
 
 _PARSERS = {"place": _parse_place, "split": _parse_split, "replicate": _parse_replicate, "order": _parse_order,

@@ -53,6 +53,8 @@ def _check_order_devices(dag: TrainingDAG) -> None:
 
 
 def _recv_meta(ctx: PassContext, producer: Node, value: str) -> tuple[tuple[str, ...], str]:
+    if producer.attr("segment") is None:  # a collective standing for a marker step (tensor parallel)
+        return producer.attr("shape"), producer.attr("dtype")
     seg = ctx.segments[producer.attr("segment")]
     base = value.rsplit("@mb", 1)[0]
     return seg.out_meta[base]
@@ -134,12 +136,12 @@ def _sync_node(dag: TrainingDAG, name: str, kind: Kind, group: tuple[int, ...], 
 
 def _reduce_group(dag: TrainingDAG, group: tuple[int, ...], fqns: list[str], writers: dict[str, list[Node]],
                   z: ZeroGroup | None, ready_after: dict[str, list[str]],
-                  subgroups: tuple[tuple[int, ...], ...] | None = None) -> list[str]:
-    """Gradient reduction of one replicated group (within each of ``subgroups`` when tensor parallel);
-    returns the nodes its update waits for."""
+                  subgroups: tuple[tuple[int, ...], ...] | None = None, label: str = "") -> list[str]:
+    """Gradient reduction of one replicated group (within each of ``subgroups`` when tensor parallel;
+    ``label`` tells apart several reductions of one group); returns the nodes its update waits for."""
     extra = {"subgroups": subgroups} if subgroups else {}
     stream = writers[fqns[0]][0].attr("reduce_stream", "dp")
-    label = group_label(group)
+    label = group_label(group) + label
     deps: list[str] = []
     if z is None:
         plan = [(f"AR.{label}.b{b}", Kind.ALL_REDUCE, bucket, 0) for b, bucket in enumerate(_buckets(fqns, writers))]
@@ -204,11 +206,14 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         tp = next((w.attr("tp_groups") for f in fqns for w in writers[f] if w.attr("tp_groups")), None)
         sub = dp_subgroups(tp) if tp else None
         alone = len(group) == 1 or (sub is not None and len(sub[0]) == 1)  # nothing to reduce with
-        if not alone and any(f not in ep for f in fqns):
-            update_deps[group] += _reduce_group(dag, group, [f for f in fqns if f not in ep], writers,
-                                                layout.get(group), ready_after, sub)
+        partial = [f for f in fqns if f in ctx.tp_partial]  # sequence parallel: summed over the whole group
+        if partial:
+            update_deps[group] += _reduce_group(dag, group, partial, writers, None, ready_after, label=".sp")
+        rest = [f for f in fqns if f not in ep and f not in ctx.tp_partial]
+        if not alone and rest:
+            update_deps[group] += _reduce_group(dag, group, rest, writers, layout.get(group), ready_after, sub)
         for f in fqns:  # single-rank groups and expert shards: final as soon as written, nothing to reduce
-            if alone or f in ep:
+            if (alone or f in ep) and f not in ctx.tp_partial:
                 ready_after[f] = [w.name for w in writers[f]]
                 update_deps[group].extend(ready_after[f])
     for fqn, groups in held.items():

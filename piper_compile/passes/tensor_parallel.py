@@ -1,13 +1,16 @@
 """Tensor parallelism: the ``shard_tensor`` directive pass and its lowering.
 
 Capture already split the linear layers and inserted ``tp_allreduce`` markers (``capture/tensor_parallel``);
-here the matched regions learn their tensor-parallel groups, and every marker step becomes an ALL_REDUCE
+here the matched regions learn their tensor-parallel groups, and every marker step becomes a collective
 over the group of the rank that runs it (``subgroups``: one collective node, SPMD over the region's ranks,
-each rank reducing within its own group). Ranks of one tensor-parallel group see the same batch, so the
+each rank reducing within its own group): ALL_REDUCE for ``tp_allreduce``; for sequence parallelism
+ALL_GATHER (``tp_all_gather``, ``tp_gather``) and REDUCE_SCATTER (``tp_reduce_scatter``) along the
+sequence dimension, while ``tp_scatter`` stays a local step (``tp_role="scatter"``: this rank's chunk). Ranks of one tensor-parallel group see the same batch, so the
 gradients are reduced over the data-parallel subgroups (one rank per tensor-parallel group, same position).
 """
 from __future__ import annotations
 
+from piper_compile.capture.segments import boundary_kind
 from piper_compile.directives.spec import ShardTensor
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
@@ -43,7 +46,7 @@ def dp_subgroups(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], 
 
 
 def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
-    """Every ``tp_allreduce`` step becomes an ALL_REDUCE within each rank's tensor-parallel group."""
+    """Every marker step becomes its collective within each rank's tensor-parallel group."""
     if "tp" not in dag.meta:
         return dag
     index, spec, stream = dag.meta["tp"]
@@ -54,7 +57,7 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     sizes = set()
     for n in list(dag.of_kind(Kind.COMPUTE)):
         if n.attr("tp_by") is None:
-            if n.attr("boundary") == "tp_allreduce":
+            if n.attr("boundary") in _COLLECTIVES:
                 raise PiperDirectiveError(index, {"shard_tensor": n.name}, f"{n.name} holds a layer split by params "
                                           "but the directive's filter does not match its region",
                                           "widen the filter (or leave it empty) to cover every sharded layer")
@@ -64,18 +67,37 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
                                       "use zero=0 on tensor-parallel regions")
         groups = tp_groups(n.devices, spec, index)
         sizes.add(len(groups[0]))
-        dag.replace(n.with_attrs(tp_groups=groups))
-        if n.attr("boundary") != "tp_allreduce":
-            continue
-        attrs = {"purpose": "tp", "subgroups": groups, "mb": n.attr("mb", 0)}
-        ar = Node(n.name + ".ar", Kind.ALL_REDUCE, n.tags, n.devices, stream, n.inputs[:1], n.outputs[:1],
-                  tuple(sorted(attrs.items())))
-        dag.add(ar)
-        for a, b in list(dag.order_edges):
-            if b == n.name:
-                dag.add_order(a, ar.name)
-            if a == n.name:
-                dag.add_order(ar.name, b)
-        dag.remove(n.name)
+        n = n.with_attrs(tp_groups=groups)
+        dag.replace(n)
+        if n.attr("boundary") in _COLLECTIVES:
+            _lower_marker(dag, n, groups, stream, ctx)
     dag.meta["tp_size"] = max(sizes) if sizes else 1
     return dag
+
+
+_COLLECTIVES = {"tp_allreduce": Kind.ALL_REDUCE, "tp_all_gather": Kind.ALL_GATHER, "tp_gather": Kind.ALL_GATHER,
+                "tp_reduce_scatter": Kind.REDUCE_SCATTER, "tp_scatter": Kind.COMPUTE}
+
+
+def _lower_marker(dag: TrainingDAG, n: Node, groups: tuple[tuple[int, ...], ...], stream: str,
+                  ctx: PassContext) -> None:
+    """Replace marker step ``n`` by its collective (or, for ``tp_scatter``, a local chunk step)."""
+    seg = ctx.segments[n.attr("segment")]
+    op = next(x for x in seg.gm.graph.nodes if boundary_kind(x))
+    shape, dtype = seg.out_meta[n.outputs[0].rsplit("@mb", 1)[0]]
+    attrs = {"purpose": "tp", "subgroups": groups, "mb": n.attr("mb", 0), "shape": shape, "dtype": dtype}
+    if len(op.args) > 1:
+        attrs.update(dim=op.args[1], size=op.args[2])
+    kind = _COLLECTIVES[n.attr("boundary")]
+    if kind is Kind.COMPUTE:
+        dag.replace(n.with_attrs(tp_role="scatter", dim=op.args[1], size=op.args[2]))
+        return
+    name = n.name + "." + {Kind.ALL_REDUCE: "ar", Kind.ALL_GATHER: "ag", Kind.REDUCE_SCATTER: "rs"}[kind]
+    node = Node(name, kind, n.tags, n.devices, stream, n.inputs[:1], n.outputs[:1], tuple(sorted(attrs.items())))
+    dag.add(node)
+    for a, b in list(dag.order_edges):
+        if b == n.name:
+            dag.add_order(a, node.name)
+        if a == n.name:
+            dag.add_order(node.name, b)
+    dag.remove(n.name)

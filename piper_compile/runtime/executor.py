@@ -6,6 +6,7 @@ the rank, the instruction, the peer and its position in the program instead of h
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,7 +19,7 @@ from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT, Join
 from piper_compile.errors import PiperRuntimeError
 from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
-from piper_compile.runtime import expert
+from piper_compile.runtime import expert, tensor_parallel
 from piper_compile.runtime.groups import GroupRegistry
 from piper_compile.runtime.state import GradBuffers, TrainState
 from piper_compile.runtime.trace import Recorder
@@ -93,8 +94,8 @@ class Executor:
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight collectives whose owner let go
-        self._fold: dict[str, tuple[str, int]] = {}  # per-micro-batch reduce-scatters to fold when done
-        self._sending: dict[str, torch.Tensor] = {}  # what in-flight all-to-alls send
+        self._finish: dict[str, Callable[[], None]] = {}  # what to do once a collective completes
+        self._sending: dict[str, torch.Tensor] = {}  # what in-flight all-to-alls and TP collectives send
         norm = next((i.node for i in program.instrs if i.node.attr("purpose") == "gradnorm"), None)
         self._max_norm = float(norm.attr("max_norm")) if norm is not None else 0.0  # options["clip_grad_norm"]
         self._partner = overlap_partners(program)
@@ -154,11 +155,11 @@ class Executor:
         work, ins, pos = item
         self._keep.pop(name, None)
         self._sending.pop(name, None)
-        fold = self._fold.pop(name, None)
+        finish = self._finish.pop(name, None)
         if work is not None:
             self._block(work, ins, pos)
-        if fold is not None:
-            self.state.zero.fold(*fold)  # type: ignore[union-attr]
+        if finish is not None:
+            finish()
 
     def _block(self, work: Any, ins: Instr, pos: int) -> None:
         if self.state.device.type == "cuda":
@@ -228,7 +229,10 @@ class Executor:
             for v in ins.frees if release else ():  # last use: the segment may free it once done with it
                 if v in env and v in n.inputs and v not in n.outputs:
                     released[v] = _nbytes(env.pop(v))  # still counted live until the instruction ends
-            if n.attr("ep_role"):
+            if n.attr("tp_role") == "scatter":  # sequence parallel: this rank's chunk of a whole activation
+                group = next(g for g in n.attr("tp_groups") if self.rank in g)
+                outs = (tensor_parallel.chunk(inputs[0], n.attr("dim"), n.attr("size"), group.index(self.rank)),)
+            elif n.attr("ep_role"):
                 acc = None
                 if n.attr("accumulate_grads") and self.grads is not None:  # w_gate, w_up, w_down in order
                     acc = tuple(self.grads.view(f) for _, f in n.attr("grads"))
@@ -299,6 +303,12 @@ class Executor:
                                                    async_op=True), ins, pos)
             elif n.kind is Kind.ALL_REDUCE:
                 pending[n.name] = (self._all_reduce(ins, loss_sum, result), ins, pos)
+            elif n.attr("purpose") == "tp":  # sequence parallel: gather / reduce-scatter along the sequence
+                work, self._sending[n.name], done = self._sequence_collective(n, get(n.inputs[0]))
+                self._finish[n.name] = _store(env, n.outputs[0], done)
+                nbytes = _nbytes(self._sending[n.name])
+                live += nbytes * n.attr("size") if n.kind is Kind.ALL_GATHER else nbytes // n.attr("size")
+                pending[n.name] = (work, ins, pos)
             elif n.kind is Kind.REDUCE_SCATTER:
                 pending[n.name] = (self._reduce_scatter(ins, pending), ins, pos)
                 self._note_grad_bytes(extra=self._keep[n.name])
@@ -357,6 +367,13 @@ class Executor:
             return None
         return dist.all_reduce(t, group=self.groups.get(n.stream, self._subgroup(n)), async_op=True)
 
+    def _sequence_collective(self, n: Any, x: torch.Tensor) -> tensor_parallel.Started:
+        """Start a sequence-parallel all-gather or reduce-scatter along the sequence dimension."""
+        self._count("tp")
+        group = self.groups.get(n.stream, self._subgroup(n))
+        start = tensor_parallel.gather if n.kind is Kind.ALL_GATHER else tensor_parallel.reduce_scatter_dim
+        return start(x, n.attr("dim"), n.attr("size"), group)
+
     def _count(self, purpose: str) -> None:
         self.stats.collectives[purpose] = self.stats.collectives.get(purpose, 0) + 1
 
@@ -387,7 +404,7 @@ class Executor:
         full = self.grads.bucket(b)
         if n.attr("accumulate"):  # one of several per step: summed into the shard when it finishes
             out = self.state.zero.partial_shard(b, n.attr("mb"))
-            self._fold[n.name] = (b, n.attr("mb"))
+            self._finish[n.name] = functools.partial(self.state.zero.fold, b, n.attr("mb"))
         else:
             out = self.state.zero.shard_grad(b, None)
         self._keep[n.name] = full  # alive until the reduce-scatter completes
@@ -425,3 +442,9 @@ class Executor:
         val = self.joint.gm.graph.find_nodes(op="output")[0].args[0][0].meta.get("val")
         return val.dtype if isinstance(val, torch.Tensor) else torch.float32
 
+
+def _store(env: dict[str, Any], name: str, done: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """Once a collective completes: its result becomes value ``name``."""
+    def finish() -> None:
+        env[name] = done()
+    return finish

@@ -174,7 +174,7 @@ class FlopCost(CostModel):
         if n.kind.is_collective:
             members = max(len(n.devices), 1)
             nbytes = self.sizes.params_bytes(n.attr("params") or ()) if n.attr("params") else 4
-            if n.kind is Kind.ALL_TO_ALL and n.attr("shape"):  # expert dispatch/combine: all (token, choice) rows
+            if n.attr("shape"):  # activations: expert dispatch/combine rows, tensor-parallel partial sums
                 nbytes = self.sizes.tensor_bytes(n.attr("shape"), n.attr("dtype") or "float32")
             factor = {Kind.ALL_REDUCE: 2.0, Kind.REDUCE_SCATTER: 1.0, Kind.ALL_GATHER: 1.0}.get(n.kind, 1.0)
             return self.latency_s + factor * (members - 1) / members * nbytes / self.bytes_per_s

@@ -214,6 +214,8 @@ def _memory(program: Program, sizes: Sizes,
             new = list(n.outputs)
         elif n.kind is Kind.RECV and not n.attr("state"):
             new = list(n.outputs)
+        elif n.kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER) and n.attr("purpose") == "tp":  # activations
+            new = list(n.outputs)
         elif n.kind is Kind.ALL_GATHER:
             for v in n.outputs:
                 live[v] = sizes.params_bytes([param_fqn(v)])
@@ -248,7 +250,7 @@ def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
     """Most gradient bytes held at once: the persistent buffers plus each reduce-scattered (ZeRO-2/3)
     bucket from its first gradient to its reduce-scatter, and its shard from then to the update."""
     rs = {f: i.node.attr("bucket") for i in program.instrs if i.node.kind is Kind.REDUCE_SCATTER
-          for f in i.node.attr("params")}
+          for f in i.node.attr("params") or ()}
     zero = zero_buckets(program)
     live: set[str] = set()
     shards: set[str] = set()

@@ -180,7 +180,26 @@ class MoENet(nn.Module):
         return torch.randn(n, 8, self.dim, generator=gen), torch.randn(n, 8, self.dim, generator=gen)
 
 
-MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet}
+class SharedNormMLP(nn.Module):
+    """Sequence-parallel corner case: one LayerNorm applied to the whole input and, after a
+    column/row-parallel MLP pair (``fc``/``out``), to the sequence-split residual stream."""
+
+    def __init__(self, dim: int = 16, seq: int = 8) -> None:
+        super().__init__()
+        self.seq = seq
+        self.norm = nn.LayerNorm(dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x + self.out(F.gelu(self.fc(self.norm(x))))
+        return F.mse_loss(self.norm(h), y)
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        d = self.fc.in_features
+        return torch.randn(n, self.seq, d, generator=gen), torch.randn(n, self.seq, d, generator=gen)
+
+
+MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP}
 
 
 def build_model(name: str, seed: int = 0, **kwargs: object) -> nn.Module:

@@ -41,3 +41,38 @@ def test_pp2_x_tp2_gpt_tied_embedding():
     res = run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, stages=2, directives=d, local_batch=4, tp=2), 4)
     _collectives(res, 4 * 1 * 4, grad=False)
 
+
+
+# -- sequence parallel: per layer and micro-batch, forward reduce-scatter x2 + all-gather x2, backward the
+# mirror; block 0's qkv reads the whole embedding (one all-reduce in backward) and the residual is cut
+# at its first add (an all-gather of its gradient), ln_f's output is gathered for the LM head.
+SP_PER_MB_2_LAYERS = 8 + 9
+
+
+@pytest.mark.parametrize("codegen", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_tp2_gpt_sequence_parallel(codegen):
+    cfg = RunConfig(model="gpt", model_kwargs={"layers": 2}, local_batch=4, tp=2, codegen=codegen,
+                    directives=[piper.split(2), piper.shard_tensor(TP, sequence_parallel=True)])
+    _collectives(run_parity(cfg, 2), SP_PER_MB_2_LAYERS * 2, grad=True)  # grad: norms and biases, partial per rank
+
+
+def test_tp2_norm_shared_by_whole_and_split_activations():
+    cfg = RunConfig(model="shared_norm", local_batch=4, tp=2,
+                    directives=[piper.shard_tensor({"fc": "colwise", "out": "rowwise"}, sequence_parallel=True)])
+    run_parity(cfg, 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_gpt_sequence_parallel():
+    d = [piper.split(2), piper.replicate(),
+         piper.shard_tensor(TP, devices=[[0, 1], [2, 3]], sequence_parallel=True)]
+    _collectives(run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=d, local_batch=4, tp=2), 4),
+                 SP_PER_MB_2_LAYERS * 2, grad=True)
+
+
+@pytest.mark.slow
+def test_pp2_x_tp2_gpt_sequence_parallel():
+    groups = [[0, 1], [2, 3]]
+    d = [*piper.pipeline(2, ranks=groups), piper.split(4), *piper.schedules.one_f_one_b(2, 4),
+         piper.shard_tensor(TP, devices=groups, sequence_parallel=True)]
+    run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, stages=2, directives=d, local_batch=4, tp=2), 4)
