@@ -210,12 +210,19 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -
     return [c for c in chunks if c]
 
 
-def _chunk_forward(nodes: list[fx.Node], joint: JointGraph, bucket_of: dict[str, Any],
-                   derived: set[str]) -> list[list[fx.Node]]:
-    """Cut a forward node list where it starts reading parameters of another gradient bucket (ZeRO-3:
+def _buckets_of(chunks: list[list[fx.Node]], joint: JointGraph, reg: Region) -> dict[str, Any]:
+    """param value -> (region, index of the backward chunk that finishes its gradient)."""
+    return {f"param:{joint.grad_of[n.name]}": (reg, c) for c, chunk in enumerate(chunks)
+            for n in chunk if n.name in joint.grad_of}
+
+
+def _cut_at_bucket_reads(nodes: list[fx.Node], joint: JointGraph, bucket_of: dict[str, Any],
+                         derived: set[str]) -> list[list[fx.Node]]:
+    """Cut a node list where it starts reading parameters of another gradient bucket (ZeRO-3:
     a piece's buckets are all-gathered just before it and freed after it, so pieces aligned with the
     buckets gather each bucket once and bound the gathered memory). Pieces are contiguous in graph
-    order, hence never cyclic."""
+    order, hence never cyclic. In a backward chunk this separates the input gradient through a layer
+    of the previous bucket (it reads that layer's weight) from the layers of the chunk's own bucket."""
     chunks: list[list[fx.Node]] = [[]]
     current: Any = None
     for n in nodes:
@@ -325,9 +332,12 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
     for (pass_, reg), ps in parts.items():  # backward first: forward chunks follow its buckets
         for part_pass, part in ps:
             if part_pass in ("B", "BW") and bucket_bytes:
-                chunked[(part_pass, reg)] = _chunk_backward(part, joint, bucket_bytes)
-                for c, chunk in enumerate(chunked[(part_pass, reg)]):
-                    bucket_of.update({f"param:{joint.grad_of[n.name]}": (reg, c) for n in chunk if n.name in joint.grad_of})
+                chunks = _chunk_backward(part, joint, bucket_bytes)
+                if chunk_fw is not None and chunk_fw(reg):  # ZeRO-3: each backward piece reads one bucket
+                    coarse = _buckets_of(chunks, joint, reg)
+                    chunks = [piece for c in chunks for piece in _cut_at_bucket_reads(c, joint, coarse, derived)]
+                chunked[(part_pass, reg)] = chunks
+                bucket_of.update(_buckets_of(chunks, joint, reg))
     keyed: dict[tuple[str, Region, int], list[fx.Node]] = {}
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for (pass_, reg), ps in parts.items():
@@ -335,7 +345,7 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
             if (part_pass, reg) in chunked:
                 chunks = chunked[(part_pass, reg)]
             elif part_pass == "F" and bucket_bytes and chunk_fw is not None and chunk_fw(reg):
-                chunks = _chunk_forward(part, joint, bucket_of, derived)
+                chunks = _cut_at_bucket_reads(part, joint, bucket_of, derived)
             else:
                 chunks = [part]
             nested = sorted(pos[n] for (p2, r2), ns in groups.items() if p2 == pass_ and set(r2) > set(reg) for n in ns)

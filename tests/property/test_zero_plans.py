@@ -148,3 +148,19 @@ def test_prefetch_distance_orders_the_gather() -> None:
                 at = computes.index(target) - 1 - k
                 if at >= 0:
                     assert instrs.index(ins) > instrs.index(computes[at])
+
+
+@pytest.mark.parametrize("bucket_mb", [0.002, 0.02])
+def test_zero3_steps_read_one_bucket_each(bucket_mb: float) -> None:
+    """Forward and backward pieces are cut where they start reading another bucket's parameters (the
+    input gradient through a layer of the previous bucket is its own piece), so no step holds two
+    gathered buckets of its own and the prefetched one is the only extra."""
+    from piper_compile.ir.dag import param_fqn
+
+    dag, programs = _plan("gpt", 1, 2, "1f1b", 3, bucket_mb, 1)
+    bucket_of = {f: b for z in dag.meta["zero"].values() for b, fqns in z.buckets for f in fqns}
+    for ins in programs[0].instrs:
+        if ins.node.kind is Kind.COMPUTE:
+            read = {bucket_of[param_fqn(v)] for v in ins.node.inputs if v.startswith("param:") and "#" in v
+                    and param_fqn(v) in bucket_of}
+            assert len(read) <= 1, (ins.name, read)
