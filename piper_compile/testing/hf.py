@@ -88,6 +88,18 @@ class LlamaLoss(nn.Module):
         return (ids, ids.clone()) if self.hf_loss else (ids, targets)
 
 
+# Megatron tensor parallelism for LlamaForCausalLM (and LlamaLoss, whose model sits under ``model.``): q/k/v and
+# gate/up column-parallel (whole attention heads per rank: GQA needs the key/value heads divisible by the
+# tensor-parallel size), o_proj and down_proj row-parallel. ``shard_tensor(LLAMA_TP)``.
+LLAMA_TP: dict[str, str] = {
+    **{f"model.model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.model.layers.*.self_attn.o_proj": "rowwise",
+    "model.model.layers.*.mlp.gate_proj": "colwise",
+    "model.model.layers.*.mlp.up_proj": "colwise",
+    "model.model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
 def tiny_qwen3_moe_config(**overrides: Any) -> Any:
     """A small ``Qwen3MoeConfig``: 2 layers of hidden 64, 4 query heads over 2 key/value heads (head_dim 16),
     every layer a sparse MoE of 4 SwiGLU experts (hidden 64), top-2, renormalised top-k weights."""

@@ -11,7 +11,7 @@ import piper_compile as piper
 from piper_compile.testing.parity import RunConfig
 
 pytest.importorskip("transformers")
-from piper_compile.testing.hf import max_differences, run_hf_parity  # noqa: E402
+from piper_compile.testing.hf import LLAMA_TP, max_differences, run_hf_parity  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -73,3 +73,37 @@ def test_qwen3_moe_ep2():
         assert r["collectives"]["grad"] >= 1  # attention, norms, routers, embeddings still all-reduce
     # trained_parameters gathers the expert shards: both ranks report every parameter
     assert set(res[0]["params"]) == set(res[1]["params"]) == set(range(len(ref["params"])))
+
+
+def _tp_collectives(res: list[dict], layers: int, m: int, grad: bool) -> None:
+    """Per decoder layer and micro-batch: two forward all-reduces (after o_proj and down_proj) and five
+    backward ones (the input gradients of q, k, v, gate and up, one per column-parallel layer)."""
+    for r in res:
+        assert r["collectives"]["tp"] == 7 * layers * m, r["collectives"]
+        assert ("grad" in r["collectives"]) == grad, r["collectives"]
+
+
+def test_llama_tp2():
+    """transformers' Llama under Megatron tensor parallelism over 2 ranks: 2 of the 4 query heads and 1 of
+    the 2 key/value heads per rank. Dynamo bakes ``repeat_kv``'s full head counts into its
+    ``expand``/``reshape``; capture rewrites them to the local ones (capture/tp_shapes.py)."""
+    layers, m = 2, 2
+    directives = [piper.split(m), piper.shard_tensor(LLAMA_TP)]
+    cfg = RunConfig(model="llama", model_kwargs={"num_hidden_layers": layers}, directives=directives, steps=3,
+                    local_batch=4, optimizer=ADAMW, tp=2)
+    res, ref = run_hf_parity(cfg, 2, **P_TOL)
+    loss_diff, param_diff = max_differences(res, ref)
+    assert loss_diff < 1e-5 and param_diff < 5e-5
+    _tp_collectives(res, layers, m, grad=False)
+
+
+def test_llama_dp2_x_tp2():
+    """Two data-parallel replicas, each a tensor-parallel pair ([0, 1] and [2, 3])."""
+    layers, m = 2, 2
+    directives = [piper.split(m), piper.replicate(), piper.shard_tensor(LLAMA_TP, devices=[[0, 1], [2, 3]])]
+    cfg = RunConfig(model="llama", model_kwargs={"num_hidden_layers": layers}, directives=directives, steps=3,
+                    local_batch=4, optimizer=ADAMW, tp=2)
+    res, ref = run_hf_parity(cfg, 4, **P_TOL)
+    loss_diff, param_diff = max_differences(res, ref)
+    assert loss_diff < 1e-5 and param_diff < 5e-5
+    _tp_collectives(res, layers, m, grad=True)

@@ -40,23 +40,34 @@ def test_tp_shard_take_and_assemble_round_trip():
 
 
 class _FixedHeads(nn.Module):
-    def __init__(self) -> None:
+    """Attention whose head reshape fixes the head count (``view(b, t, heads, 4)``, not ``-1``)."""
+
+    def __init__(self, heads: int = 4) -> None:
         super().__init__()
-        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.heads, c = heads, 4 * heads
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (z.view(b, t, self.heads, 4).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
         return F.mse_loss(self.proj(a), y)
 
     def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-        return torch.randn(n, 8, 16, generator=gen), torch.randn(n, 8, 16, generator=gen)
+        c = 4 * self.heads
+        return torch.randn(n, 8, c, generator=gen), torch.randn(n, 8, c, generator=gen)
 
 
-def test_fixed_head_count_reshape_gets_a_clear_error():
-    with pytest.raises(PiperError, match=r"view\(b, t, -1, head_dim\)"):
-        _plan([piper.shard_tensor({"qkv": "colwise:3", "proj": "rowwise"})], model=_FixedHeads())
+def test_fixed_head_count_is_rewritten_to_the_local_one():
+    p = _plan([piper.shard_tensor({"qkv": "colwise:3", "proj": "rowwise"})], model=_FixedHeads())
+    # the forward all-reduce after proj; x needs no gradient, so no backward one before qkv
+    assert len([n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "tp"]) == 1
+
+
+def test_head_count_that_does_not_split_gets_a_clear_error():
+    """3 heads of 4 features: the 12 features split over 2 ranks, the heads do not."""
+    with pytest.raises(PiperError, match=r"(?s)view.*z.view\(b, t, self.heads, 4\).*does not divide over 2 ranks"):
+        _plan([piper.shard_tensor({"qkv": "colwise:3", "proj": "rowwise"})], model=_FixedHeads(heads=3))
 
 
 def test_params_matching_no_linear_layer():
