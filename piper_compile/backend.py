@@ -187,8 +187,8 @@ class CompiledStep:
             if fakes is None:
                 raise
             raise PiperError(f"{e}\npiper: (shard_tensor) the graph was captured with each rank's shard of the split "
-                             "layers; a reshape that fixes the split size (e.g. view(b, t, n_heads, head_dim) after "
-                             "a colwise layer) cannot work on a shard: write -1 for that dimension "
+                             "layers, after capture/tp_shapes.py fitted its view/reshape/expand/split sizes to the "
+                             "local shapes; an op it does not check failed on them: write -1 for a split dimension "
                              "(view(b, t, -1, head_dim)) and split fused outputs with chunk()") from e
         caps = [d.bucket_size for d in self.options.directives if isinstance(d, Replicate)]
         bucket_bytes = min(caps) * 2**20 if caps else None

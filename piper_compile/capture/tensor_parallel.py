@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from piper_compile.capture.joint import fqn_from_source
+from piper_compile.capture.tp_shapes import fit_local_shapes
 from piper_compile.errors import PiperCaptureError
 from piper_compile.ir.shard import ParamShard
 from piper_compile.nn.tp import ALLREDUCE_OP, COPY_OP
@@ -88,6 +89,7 @@ def shard_linears(gm: fx.GraphModule, sources: list[str], params: tuple[tuple[st
                         if _arg(n, 1, "weight") in fqn_of})
         raise PiperCaptureError(f"piper: shard_tensor: params {unmatched} match no linear layer of the model; its "
                                 f"linear layers are {names[:12]}{' ...' if len(names) > 12 else ''}")
+    fit_local_shapes(gm, local_fakes(gm, shapes), shards, fqn_of, size)
     gm.recompile()
     return shards, shapes
 
