@@ -8,8 +8,9 @@ For ``shard_tensor`` params ``{module glob: colwise | colwise:N | rowwise}``:
 * row-parallel ``linear(x, W, b)`` becomes ``tp_allreduce(linear(x, W)) + b`` with ``W`` split along ``in``.
 
 The graph is then captured on fake parameters of the local shapes, so every later stage (segments,
-DAG, Inductor) sees local shapes; activations between the layers (e.g. attention heads) are local too,
-which is why reshapes must infer the split dimension (``view(b, t, -1, head_dim)``).
+DAG, Inductor) sees local shapes; activations between the layers (e.g. attention heads) are local too.
+Sizes Dynamo baked into reshapes and expands (transformers' ``repeat_kv``) are fitted to the local
+shapes first (``capture/tp_shapes.py``); what cannot be fitted gets an error naming the op.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def shard_linears(gm: fx.GraphModule, sources: list[str], params: tuple[tuple[st
     shards: dict[str, ParamShard] = {}
     shapes: dict[int, tuple[int, ...]] = {}
     matched: set[str] = set()
+    copies: dict[Any, fx.Node] = {}
     for lin in _linear_nodes(gm):
         x, w, b = _arg(lin, 0, "input"), _arg(lin, 1, "weight"), _arg(lin, 2, "bias")
         if not isinstance(w, fx.Node) or w not in fqn_of:
@@ -62,10 +64,11 @@ def shard_linears(gm: fx.GraphModule, sources: list[str], params: tuple[tuple[st
                                         f"{module} (a tied or shared weight), so it cannot be split there; "
                                         "leave that layer out of params")
         _check_divisible(w, 0 if base == "colwise" else 1, parts, size, fqn_of[w])
-        if base == "colwise":
-            with gm.graph.inserting_before(lin):
-                copied = gm.graph.call_function(COPY_OP, (x,))
-            lin.replace_input_with(x, copied)
+        if base == "colwise":  # one f per input, shared by the layers reading it (q, k, v: one all-reduce)
+            if x not in copies:
+                with gm.graph.inserting_before(lin):
+                    copies[x] = gm.graph.call_function(COPY_OP, (x,))
+            lin.replace_input_with(x, copies[x])
             targets = [(w, 0), (b, 0)]
         else:
             with gm.graph.inserting_after(lin):
