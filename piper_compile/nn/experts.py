@@ -35,26 +35,36 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w_gate: to
 def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | list[int],
                             w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                             accumulate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            overwrite: bool = False,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`grouped_swiglu` w.r.t. ``x`` and the three weights (hidden values recomputed).
-    ``accumulate``: existing weight-gradient buffers to add into (returned in place of new tensors)."""
+    ``accumulate``: existing weight-gradient buffers to add into (returned in place of new tensors);
+    with ``overwrite`` their contents are replaced instead (no zeroing pass before the first write)."""
     gx = torch.zeros_like(x)
     if accumulate is None:
         gg, gu, gd = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
     else:
         gg, gu, gd = accumulate
-    for e, a, b in _blocks(counts):
+    blocks = _blocks(counts)
+    beta = 0.0 if overwrite and accumulate is not None else 1.0  # beta=0: addmm_ ignores the old contents
+    if beta == 0.0:
+        used = {e for e, _, _ in blocks}
+        for e in range(w_gate.shape[0]):
+            if e not in used:  # an expert without rows: its gradient is zero
+                for g in (gg, gu, gd):
+                    g[e].zero_()
+    for e, a, b in blocks:
         xe, ge = x[a:b], gy[a:b]
         g_pre, u = xe @ w_gate[e], xe @ w_up[e]
         s = torch.sigmoid(g_pre)
         act = g_pre * s
         h = act * u
-        gd[e].addmm_(h.t(), ge)
+        gd[e].addmm_(h.t(), ge, beta=beta)
         gh = ge @ w_down[e].t()
         gu_pre = gh * act
         gg_pre = gh * u * (s * (1 + g_pre * (1 - s)))
-        gu[e].addmm_(xe.t(), gu_pre)
-        gg[e].addmm_(xe.t(), gg_pre)
+        gu[e].addmm_(xe.t(), gu_pre, beta=beta)
+        gg[e].addmm_(xe.t(), gg_pre, beta=beta)
         gx[a:b] = gg_pre @ w_gate[e].t() + gu_pre @ w_up[e].t()
     return gx, gg, gu, gd
 

@@ -233,11 +233,11 @@ class Executor:
                 group = next(g for g in n.attr("tp_groups") if self.rank in g)
                 outs = (tensor_parallel.chunk(inputs[0], n.attr("dim"), n.attr("size"), group.index(self.rank)),)
             elif n.attr("ep_role"):
-                acc = None
+                acc, overwrite = None, False
                 if n.attr("accumulate_grads") and self.grads is not None:  # w_gate, w_up, w_down in order
-                    acc = tuple(self.grads.view(f) for _, f in n.attr("grads"))
+                    acc, overwrite = self.grads.claim(f for _, f in n.attr("grads"))
                 with torch.no_grad():  # the runtime computes gradients itself: build no autograd graph
-                    outs = expert.compute(n, inputs, acc)
+                    outs = expert.compute(n, inputs, acc, overwrite)
             else:
                 outs = self.segments[n.attr("segment")](inputs, key)
             del inputs
