@@ -89,7 +89,9 @@ def _peer(node: Node, rank: int) -> int | None:
 
 def _priority(node: Node) -> tuple:
     # Communication is issued as soon as it is ready; compute F before B (GPipe when nothing orders it).
-    if node.kind.is_comm and node.attr("purpose") != "loss":
+    # That includes the loss all-reduce (its own stream): issued after the last forward, it completes
+    # during the backward instead of adding a round trip after the update.
+    if node.kind.is_comm:
         return (0, 0, 0, 0)
     if node.kind is Kind.COMPUTE:
         # Expert steps wait for an all-to-all: any other ready compute goes first (e.g. DualPipeV's B of
