@@ -101,13 +101,14 @@ class GradBuffers:
     @classmethod
     def for_program(cls, program: Program, joint: JointGraph,
                     local: dict[str, nn.Parameter] | None = None) -> "GradBuffers":
+        params = {**joint.params, **(local or {})}  # this rank's pieces of tensor/expert-parallel weights
         buckets: dict[str, tuple[list[str], int, bool]] = {}
         others: list[str] = []
         for ins in program.instrs:
             n = ins.node
             if n.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER) and n.attr("purpose") == "grad":
                 fqns = list(n.attr("params"))
-                total = sum(joint.params[f].numel() for f in fqns)
+                total = sum(params[f].numel() for f in fqns)
                 padded = -(-total // len(n.devices)) * len(n.devices) if n.attr("zero", 0) else total
                 buckets[n.attr("bucket")] = (fqns, padded, n.kind is Kind.REDUCE_SCATTER)
             elif n.kind is Kind.COMPUTE:
@@ -116,7 +117,7 @@ class GradBuffers:
                 others.append(n.attr("state"))
             elif n.kind is Kind.UPDATE:
                 others += list(n.attr("params"))
-        return cls({**joint.params, **(local or {})}, buckets, others)
+        return cls(params, buckets, others)
 
     def zero_(self) -> None:
         """Start a step: every gradient counts as zero (lazily: see the class docstring)."""

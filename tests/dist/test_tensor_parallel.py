@@ -28,8 +28,11 @@ def test_tp2_gpt(codegen):
 @pytest.mark.slow
 def test_dp2_x_tp2_gpt():
     d = [piper.split(2), piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])]
-    _collectives(run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=d, local_batch=4, tp=2), 4),
-                 4 * 2 * 2, grad=True)
+    res = run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=d, local_batch=4, tp=2), 4)
+    _collectives(res, 4 * 2 * 2, grad=True)
+    for r in res:  # gradient buffers hold this rank's pieces of the split layers, as the plan predicts
+        m, p = r["memory"].measured, r["memory"].predicted
+        assert m.grads == p.grads and m.params == p.params, r["memory"]
 
 
 @pytest.mark.slow
