@@ -3,6 +3,9 @@ the optimizer, gradient storage (flat per bucket; each parameter's gradient is a
 the one-time broadcast of rank 0's weights."""
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -16,6 +19,34 @@ from piper_compile.ir.dag import Kind
 from piper_compile.ir.shard import ParamShard
 from piper_compile.plan.program import Program
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_HEAP_TUNED: list[bool] = []
+
+
+def keep_host_heap(mmap_bytes: int = 32 << 20, trim_bytes: int = 64 << 20) -> bool:
+    """CPU training: stop glibc malloc from handing freed heap memory back to the OS between steps.
+
+    PyTorch's CPU allocator is plain ``malloc``. With glibc's default, adaptive thresholds the heap is
+    trimmed whenever more than ~2x the largest block freed so far lies free at its top, which a step's
+    end (every activation released) easily passes: the next step then faults every page back in (on
+    a 2-layer MoE GPT, 4-7k page faults, several ms of kernel time per step). The thresholds set here
+    are the ones glibc's own adaptation reaches once a 32 MiB block has been freed (blocks of up to
+    32 MiB come from the heap, up to 64 MiB of free heap is kept). Once per process; glibc only;
+    ``PIPER_KEEP_HEAP=0`` leaves malloc alone. Returns whether the thresholds were set."""
+    if _HEAP_TUNED:
+        return _HEAP_TUNED[0]
+    ok = False
+    if os.environ.get("PIPER_KEEP_HEAP", "1") != "0" and platform.system() == "Linux" \
+            and platform.libc_ver()[0] == "glibc":
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+            ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+        except (OSError, AttributeError):
+            ok = False
+    _HEAP_TUNED.append(ok)
+    return ok
+
 
 @dataclass
 class LocalShard:
@@ -197,6 +228,8 @@ class TrainState:
         self.broadcast_done = False
         self.steps: list[Any] = []  # the CompiledSteps (grad / no-grad variants) of this model
         self.device = params[0].device if params else torch.device("cpu")
+        if self.device.type == "cpu":
+            keep_host_heap()
         self.zero: ZeroState | None = None
         self.named: dict[str, nn.Parameter] = {}
         self.to_release: set[str] = set()
