@@ -84,43 +84,34 @@ def _tp_collectives(res: list[dict], layers: int, m: int, grad: bool, per_layer:
         assert ("grad" in r["collectives"]) == grad, r["collectives"]
 
 
+def _llama_tp(world: int, *directives: object) -> list[dict]:
+    """Llama (2 layers, 2 micro-batches per replica) under ``directives``, against eager training."""
+    cfg = RunConfig(model="llama", model_kwargs={"num_hidden_layers": 2}, directives=[piper.split(2), *directives],
+                    steps=3, local_batch=4, optimizer=ADAMW, tp=2)
+    res, ref = run_hf_parity(cfg, world, **P_TOL)
+    loss_diff, param_diff = max_differences(res, ref)
+    assert loss_diff < 1e-5 and param_diff < 5e-5
+    return res
+
+
 def test_llama_tp2():
     """transformers' Llama under Megatron tensor parallelism over 2 ranks: 2 of the 4 query heads and 1 of
     the 2 key/value heads per rank. Dynamo bakes ``repeat_kv``'s full head counts into its
     ``expand``/``reshape``; capture rewrites them to the local ones (capture/tp_shapes.py)."""
-    layers, m = 2, 2
-    directives = [piper.split(m), piper.shard_tensor(LLAMA_TP)]
-    cfg = RunConfig(model="llama", model_kwargs={"num_hidden_layers": layers}, directives=directives, steps=3,
-                    local_batch=4, optimizer=ADAMW, tp=2)
-    res, ref = run_hf_parity(cfg, 2, **P_TOL)
-    loss_diff, param_diff = max_differences(res, ref)
-    assert loss_diff < 1e-5 and param_diff < 5e-5
-    _tp_collectives(res, layers, m, grad=False)
+    _tp_collectives(_llama_tp(2, piper.shard_tensor(LLAMA_TP)), layers=2, m=2, grad=False)
 
 
 def test_llama_tp2_sequence_parallel():
-    """Sequence parallel on Llama: the RMSNorms and the residual stream run on half the sequence each."""
-    layers, m = 2, 2
-    directives = [piper.split(m), piper.shard_tensor(LLAMA_TP, sequence_parallel=True)]
-    cfg = RunConfig(model="llama", model_kwargs={"num_hidden_layers": layers}, directives=directives, steps=3,
-                    local_batch=4, optimizer=ADAMW, tp=2)
-    res, ref = run_hf_parity(cfg, 2, **P_TOL)
-    loss_diff, param_diff = max_differences(res, ref)
-    assert loss_diff < 1e-5 and param_diff < 5e-5
-    # forward: layer 0 RS (o_proj), AG (gate/up), RS (down); layer 1 AG, RS, AG, RS; the final norm's output
-    # gathered for lm_head = 8; backward: their 7 mirrors, the attention input's all-reduce in layer 0 (its
-    # input is the whole embedding) and the gather of the residual's cut = 9. Norm weights: grad sync.
+    """Sequence parallel on Llama: the RMSNorms and the residual stream run on half the sequence each.
+    Forward: layer 0 RS (o_proj), AG (gate/up), RS (down); layer 1 AG, RS, AG, RS; the final norm's output
+    gathered for lm_head = 8. Backward: their 7 mirrors, the attention input's all-reduce in layer 0 (its
+    input is the whole embedding) and the gather of the residual's cut = 9. Norm weights: gradient sync."""
+    res = _llama_tp(2, piper.shard_tensor(LLAMA_TP, sequence_parallel=True))
     for r in res:
-        assert r["collectives"]["tp"] == 17 * m and "grad" in r["collectives"], r["collectives"]
+        assert r["collectives"]["tp"] == 17 * 2 and "grad" in r["collectives"], r["collectives"]
 
 
 def test_llama_dp2_x_tp2():
     """Two data-parallel replicas, each a tensor-parallel pair ([0, 1] and [2, 3])."""
-    layers, m = 2, 2
-    directives = [piper.split(m), piper.replicate(), piper.shard_tensor(LLAMA_TP, devices=[[0, 1], [2, 3]])]
-    cfg = RunConfig(model="llama", model_kwargs={"num_hidden_layers": layers}, directives=directives, steps=3,
-                    local_batch=4, optimizer=ADAMW, tp=2)
-    res, ref = run_hf_parity(cfg, 4, **P_TOL)
-    loss_diff, param_diff = max_differences(res, ref)
-    assert loss_diff < 1e-5 and param_diff < 5e-5
-    _tp_collectives(res, layers, m, grad=True)
+    res = _llama_tp(4, piper.replicate(), piper.shard_tensor(LLAMA_TP, devices=[[0, 1], [2, 3]]))
+    _tp_collectives(res, layers=2, m=2, grad=True)
