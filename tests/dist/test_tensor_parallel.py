@@ -79,3 +79,18 @@ def test_pp2_x_tp2_gpt_sequence_parallel():
     d = [*piper.pipeline(2, ranks=groups), piper.split(4), *piper.schedules.one_f_one_b(2, 4),
          piper.shard_tensor(TP, devices=groups, sequence_parallel=True)]
     run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, stages=2, directives=d, local_batch=4, tp=2), 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
+def test_pp2_x_dp2_x_tp2_gpt_8_ranks(sp):
+    """All three at once on 8 ranks: stage 0 on [0, 1, 4, 5], stage 1 on [2, 3, 6, 7]; tensor-parallel pairs
+    [0, 1], [4, 5], [2, 3], [6, 7]; the two pairs of a stage are data-parallel replicas (ranks 0 and 4 ...)."""
+    stages = [[0, 1, 4, 5], [2, 3, 6, 7]]
+    d = [*piper.pipeline(2, ranks=stages), piper.split(2), *piper.schedules.one_f_one_b(2, 2),
+         piper.replicate({"PP": "*"}),
+         piper.shard_tensor(TP, devices=[[0, 1], [4, 5], [2, 3], [6, 7]], sequence_parallel=sp)]
+    res = run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2, "dim": 16, "heads": 2}, stages=2,
+                               directives=d, local_batch=2, tp=2, steps=2), 8)
+    if not sp:
+        _collectives(res, 4 * 1 * 2, grad=True)  # each stage holds one layer: 4 TP all-reduces per micro-batch
