@@ -146,16 +146,23 @@ def _batch_symbols(specs: list[InputSpec], gm: fx.GraphModule) -> tuple[frozense
     return frozenset(symbols), batch
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def source_of(node: fx.Node) -> str | None:
+    """Where the user's code made ``node``: ``path:line in fn: `code` `` (the innermost frame of Dynamo's
+    stack trace), or None when the graph recorded none."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return None
+    path, line, fn, code = frames[-1]
+    return f"{path}:{line} in {fn}: `{code.strip()}`"
+
+
 def _describe_op(node: fx.Node, batch: int | None) -> str:
     target = getattr(node.target, "__name__", str(node.target))
-    lines = (node.meta.get("stack_trace") or "").rstrip().splitlines()
-    files = [i for i, line in enumerate(lines) if line.strip().startswith("File ")]
-    where = ""
-    if files:
-        i = files[-1]
-        code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-        where = f" ({lines[i].strip()}: {code})"
-    return (f"{target}(... {batch} ...)" if batch is not None else f"{target}(...)") + where
+    where = source_of(node)
+    return (f"{target}(... {batch} ...)" if batch is not None else f"{target}(...)") + (f" ({where})" if where else "")
 
 
 def _int_args(node: fx.Node) -> list[int]:

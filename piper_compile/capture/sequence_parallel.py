@@ -154,15 +154,22 @@ class _Rewrite:
             for a in split:
                 node.replace_input_with(a, self.gather(a, node))
             return
-        for a, replacement in plan.items():
-            node.replace_input_with(a, replacement)
+        cuts, partial = plan
+        for a, axis in cuts.items():
+            sc = self.marker(SCATTER_OP, a, axis, node)
+            self.seq[sc], self.full[sc] = r, next(iter(fulls))  # cut values are split like the others
+            node.replace_input_with(a, sc)
+        for a in partial:
+            self.partial_uses.setdefault(a, set()).add(node)
         self.seq[node] = r  # type: ignore[assignment]
         self.full[node] = next(iter(fulls))
 
-    def operands(self, node: fx.Node, r: int, full: Any) -> dict[fx.Node, fx.Node] | None:
-        """How the whole tensor operands of per-token ``node`` enter it: cut to this rank's chunk when they
-        carry the sequence axis, marked partial when they need a gradient; None: they cannot."""
-        plan: dict[fx.Node, fx.Node] = {}
+    def operands(self, node: fx.Node, r: int, full: Any) -> tuple[dict[fx.Node, int], list[fx.Node]] | None:
+        """How the whole tensor operands of per-token ``node`` enter it: the ones carrying the sequence axis
+        are cut to this rank's chunk (operand -> its axis), the ones needing a gradient get a partial one;
+        None: an operand has the sequence axis at another length, so ``node`` cannot run split."""
+        cuts: dict[fx.Node, int] = {}
+        partial: list[fx.Node] = []
         for a in node.all_input_nodes:
             v = _value(a)
             if a in self.seq or not isinstance(v, torch.Tensor):
@@ -171,12 +178,10 @@ class _Rewrite:
             if m >= r and _size(v.shape[m - r]) != 1:
                 if _size(v.shape[m - r]) != full:
                     return None
-                plan[a] = self.marker(SCATTER_OP, a, m - r, node)
+                cuts[a] = m - r
             elif v.requires_grad:
-                self.partial_uses.setdefault(a, set()).add(node)
-        for sc in plan.values():  # cut values are split like the others
-            self.seq[sc], self.full[sc] = r, full
-        return plan
+                partial.append(a)
+        return cuts, partial
 
     def settle_partial(self) -> frozenset[str]:
         """Parameters read only by split per-token ops are reduced over the whole group; other partial
@@ -186,7 +191,8 @@ class _Rewrite:
             if a in self.params and set(a.users) == uses:
                 partial.add(self.params[a])
                 continue
-            with self.g.inserting_after(a):
+            first = next(n for n in self.g.nodes if n in uses)  # not among the placeholders
+            with self.g.inserting_before(first):
                 copied = self.g.call_function(COPY_OP, (a,))
             for u in uses:
                 u.replace_input_with(a, copied)

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import re
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
+from piper_compile.capture.joint import source_of
 from piper_compile.errors import PiperCaptureError
 from piper_compile.ir.shard import ParamShard
 
@@ -453,15 +453,8 @@ def _sizes_arg(n: fx.Node, op: str) -> tuple[list[Any], int, Callable[[list[Any]
     return None
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
-
-
 def _where(n: fx.Node) -> str:
-    frames = _FRAME.findall(n.meta.get("stack_trace") or "")
-    if not frames:
-        return f"graph node {n.name}"
-    path, line, fn, code = frames[-1]
-    return f"{path}:{line} in {fn}: `{code.strip()}`"
+    return source_of(n) or f"graph node {n.name}"
 
 
 def _error(n: fx.Node, reason: str, size: int) -> PiperCaptureError:

@@ -184,6 +184,16 @@ class TrainingDAG:
         del self.nodes[name]
         self.order_edges = {(a, b) for a, b in self.order_edges if name not in (a, b)}
 
+    def substitute(self, old: str, first: str, last: str | None = None) -> None:
+        """Remove node ``old`` whose work nodes ``first`` .. ``last`` (already added) now do: order edges
+        into ``old`` go to ``first``, out of it leave from ``last`` (default ``first``)."""
+        for a, b in list(self.order_edges):
+            if b == old:
+                self.add_order(a, first)
+            if a == old:
+                self.add_order(last or first, b)
+        self.remove(old)
+
     def add_order(self, before: str, after: str) -> None:
         assert before in self.nodes and after in self.nodes, (before, after)
         if before != after:

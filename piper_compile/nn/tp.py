@@ -52,7 +52,6 @@ torch.library.register_autograd("piper::tp_allreduce", _identity_backward, setup
 torch.library.register_autograd("piper::tp_copy", _reduce_backward, setup_context=_no_setup)
 
 
-
 def _whole_only(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     if size != 1:
         raise RuntimeError("piper: sequence-parallel markers only run inside piper's lowered program (the "
@@ -85,9 +84,8 @@ def _backward_by(name: str) -> Any:
     return backward
 
 
-for _name, (_fake, _grad_op) in _SEQUENCE_OPS.items():
+for _name, (_fake, _grad_op) in _SEQUENCE_OPS.items():  # a backward resolves its op when it runs
     torch.library.custom_op(f"piper::{_name}", _whole_only, mutates_args=()).register_fake(_fake)
-for _name, (_fake, _grad_op) in _SEQUENCE_OPS.items():
     torch.library.register_autograd(f"piper::{_name}", _backward_by(_grad_op), setup_context=_keep_split)
 
 ALLREDUCE_OP = torch.ops.piper.tp_allreduce.default

@@ -70,15 +70,6 @@ def _group(n: Node) -> tuple[int, ...]:
     return tuple(n.devices)
 
 
-def _rewire(dag: TrainingDAG, old: str, first: str, last: str) -> None:
-    for a, b in list(dag.order_edges):
-        if b == old:
-            dag.add_order(a, first)
-        if a == old:
-            dag.add_order(last, b)
-    dag.remove(old)
-
-
 def _chain(dag: TrainingDAG, n: Node, group: tuple[int, ...], steps: list[tuple[str, Kind, tuple[str, ...],
            tuple[str, ...], dict[str, object]]]) -> None:
     stream = n.attr("ep_stream") or "ep"
@@ -94,7 +85,7 @@ def _chain(dag: TrainingDAG, n: Node, group: tuple[int, ...], steps: list[tuple[
         if names:
             dag.add_order(names[-1], node.name)
         names.append(node.name)
-    _rewire(dag, n.name, names[0], names[-1])
+    dag.substitute(n.name, names[0], names[-1])
 
 
 def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:

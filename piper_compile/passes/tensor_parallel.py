@@ -5,8 +5,8 @@ here the matched regions learn their tensor-parallel groups, and every marker st
 over the group of the rank that runs it (``subgroups``: one collective node, SPMD over the region's ranks,
 each rank reducing within its own group): ALL_REDUCE for ``tp_allreduce``; for sequence parallelism
 ALL_GATHER (``tp_all_gather``, ``tp_gather``) and REDUCE_SCATTER (``tp_reduce_scatter``) along the
-sequence dimension, while ``tp_scatter`` stays a local step (``tp_role="scatter"``: this rank's chunk). Ranks of one tensor-parallel group see the same batch, so the
-gradients are reduced over the data-parallel subgroups (one rank per tensor-parallel group, same position).
+sequence dimension, while ``tp_scatter`` stays a local step (``tp_role="scatter"``: this rank's chunk).
+Ranks of one tensor-parallel group see the same batch, so the gradients are reduced over the data-parallel subgroups (one rank per tensor-parallel group, same position).
 """
 from __future__ import annotations
 
@@ -84,20 +84,15 @@ def _lower_marker(dag: TrainingDAG, n: Node, groups: tuple[tuple[int, ...], ...]
     """Replace marker step ``n`` by its collective (or, for ``tp_scatter``, a local chunk step)."""
     seg = ctx.segments[n.attr("segment")]
     op = next(x for x in seg.gm.graph.nodes if boundary_kind(x))
-    shape, dtype = seg.out_meta[n.outputs[0].rsplit("@mb", 1)[0]]
-    attrs = {"purpose": "tp", "subgroups": groups, "mb": n.attr("mb", 0), "shape": shape, "dtype": dtype}
-    if len(op.args) > 1:
+    attrs: dict[str, object] = {"subgroups": groups}
+    if len(op.args) > 1:  # sequence-parallel markers: (x, dim, size)
         attrs.update(dim=op.args[1], size=op.args[2])
     kind = _COLLECTIVES[n.attr("boundary")]
     if kind is Kind.COMPUTE:
-        dag.replace(n.with_attrs(tp_role="scatter", dim=op.args[1], size=op.args[2]))
+        dag.replace(n.with_attrs(tp_role="scatter", **attrs))
         return
+    shape, dtype = seg.out_meta[n.outputs[0].rsplit("@mb", 1)[0]]
+    attrs.update(purpose="tp", mb=n.attr("mb", 0), shape=shape, dtype=dtype)
     name = n.name + "." + {Kind.ALL_REDUCE: "ar", Kind.ALL_GATHER: "ag", Kind.REDUCE_SCATTER: "rs"}[kind]
-    node = Node(name, kind, n.tags, n.devices, stream, n.inputs[:1], n.outputs[:1], tuple(sorted(attrs.items())))
-    dag.add(node)
-    for a, b in list(dag.order_edges):
-        if b == n.name:
-            dag.add_order(a, node.name)
-        if a == n.name:
-            dag.add_order(node.name, b)
-    dag.remove(n.name)
+    dag.add(Node(name, kind, n.tags, n.devices, stream, n.inputs[:1], n.outputs[:1], tuple(sorted(attrs.items()))))
+    dag.substitute(n.name, name)

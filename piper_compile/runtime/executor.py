@@ -21,7 +21,7 @@ from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime import expert, tensor_parallel
 from piper_compile.runtime.groups import GroupRegistry
-from piper_compile.runtime.state import GradBuffers, TrainState
+from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import reduce_scatter
 from piper_compile.runtime.zero import tensor_bytes as _nbytes
@@ -88,6 +88,8 @@ class Executor:
         self.forward_only = forward_only
         self.rank = program.rank
         self.specs = {s.value: s for s in joint.inputs}
+        if state.device.type == "cpu":
+            keep_host_heap()  # once per process, when a program is about to run (not when only planning)
         local = state.local_params()
         self.grads = GradBuffers.for_program(program, joint, local) if not forward_only else None
         self.stats = StepStats()
@@ -230,8 +232,8 @@ class Executor:
                 if v in env and v in n.inputs and v not in n.outputs:
                     released[v] = _nbytes(env.pop(v))  # still counted live until the instruction ends
             if n.attr("tp_role") == "scatter":  # sequence parallel: this rank's chunk of a whole activation
-                group = next(g for g in n.attr("tp_groups") if self.rank in g)
-                outs = (tensor_parallel.chunk(inputs[0], n.attr("dim"), n.attr("size"), group.index(self.rank)),)
+                index = self._subgroup(n).index(self.rank)
+                outs = (tensor_parallel.chunk(inputs[0], n.attr("dim"), n.attr("size"), index),)
             elif n.attr("ep_role"):
                 acc, overwrite = None, False
                 if n.attr("accumulate_grads") and self.grads is not None:  # w_gate, w_up, w_down in order
@@ -303,7 +305,7 @@ class Executor:
                                                    async_op=True), ins, pos)
             elif n.kind is Kind.ALL_REDUCE:
                 pending[n.name] = (self._all_reduce(ins, loss_sum, result), ins, pos)
-            elif n.attr("purpose") == "tp":  # sequence parallel: gather / reduce-scatter along the sequence
+            elif n.kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER) and n.attr("purpose") == "tp":  # along the sequence
                 work, self._sending[n.name], done = self._sequence_collective(n, get(n.inputs[0]))
                 self._finish[n.name] = _store(env, n.outputs[0], done)
                 nbytes = _nbytes(self._sending[n.name])

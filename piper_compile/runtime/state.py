@@ -4,6 +4,7 @@ the one-time broadcast of rank 0's weights."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -21,9 +22,9 @@ from piper_compile.plan.program import Program
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-_HEAP_TUNED: list[bool] = []
 
 
+@functools.cache
 def keep_host_heap(mmap_bytes: int = 32 << 20, trim_bytes: int = 64 << 20) -> bool:
     """CPU training: stop glibc malloc from handing freed heap memory back to the OS between steps.
 
@@ -34,18 +35,14 @@ def keep_host_heap(mmap_bytes: int = 32 << 20, trim_bytes: int = 64 << 20) -> bo
     are the ones glibc's own adaptation reaches once a 32 MiB block has been freed (blocks of up to
     32 MiB come from the heap, up to 64 MiB of free heap is kept). Once per process; glibc only;
     ``PIPER_KEEP_HEAP=0`` leaves malloc alone. Returns whether the thresholds were set."""
-    if _HEAP_TUNED:
-        return _HEAP_TUNED[0]
-    ok = False
-    if os.environ.get("PIPER_KEEP_HEAP", "1") != "0" and platform.system() == "Linux" \
-            and platform.libc_ver()[0] == "glibc":
-        try:
-            mallopt = ctypes.CDLL(None).mallopt
-            ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
-        except (OSError, AttributeError):
-            ok = False
-    _HEAP_TUNED.append(ok)
-    return ok
+    if os.environ.get("PIPER_KEEP_HEAP", "1") == "0" or platform.system() != "Linux" \
+            or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+        return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass
@@ -228,8 +225,6 @@ class TrainState:
         self.broadcast_done = False
         self.steps: list[Any] = []  # the CompiledSteps (grad / no-grad variants) of this model
         self.device = params[0].device if params else torch.device("cpu")
-        if self.device.type == "cpu":
-            keep_host_heap()
         self.zero: ZeroState | None = None
         self.named: dict[str, nn.Parameter] = {}
         self.to_release: set[str] = set()

@@ -172,10 +172,12 @@ class FlopCost(CostModel):
         if n.kind in (Kind.SEND, Kind.RECV):
             return self.latency_s + self.sizes.messages.get(n.attr("msg"), 0) / self.bytes_per_s
         if n.kind.is_collective:
-            members = max(len(n.devices), 1)
+            sub = n.attr("subgroups")  # tensor parallel: each rank's collective runs within its own group
+            members = len(sub[0]) if sub else max(len(n.devices), 1)
             nbytes = self.sizes.params_bytes(n.attr("params") or ()) if n.attr("params") else 4
             if n.attr("shape"):  # activations: expert dispatch/combine rows, tensor-parallel partial sums
                 nbytes = self.sizes.tensor_bytes(n.attr("shape"), n.attr("dtype") or "float32")
+                nbytes *= members if n.kind is Kind.REDUCE_SCATTER else 1  # shape is the output's (a chunk)
             factor = {Kind.ALL_REDUCE: 2.0, Kind.REDUCE_SCATTER: 1.0, Kind.ALL_GATHER: 1.0}.get(n.kind, 1.0)
             return self.latency_s + factor * (members - 1) / members * nbytes / self.bytes_per_s
         return 0.0
