@@ -105,9 +105,10 @@ def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
 class StaticPlan:
     """A strategy planned for ``world_size`` ranks in this process: the DAG and every rank's program."""
 
-    def __init__(self, dag: TrainingDAG, programs: list[Program]) -> None:
+    def __init__(self, dag: TrainingDAG, programs: list[Program], segments: dict[str, Any] | None = None) -> None:
         self.dag = dag
         self.programs = programs
+        self.segments = segments or {}  # name -> capture.segments.Segment (the compiled units)
 
     def text(self) -> str:
         return "\n".join(p.to_text() for p in self.programs)
@@ -127,4 +128,4 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
     torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*example_args)
     cs = CompiledStep(captured["gm"], captured["inputs"], {**(options or {}), "directives": directives},
                       world=(0, world_size), sources=captured["sources"])
-    return StaticPlan(*cs.build(forward_only))
+    return StaticPlan(*cs.build(forward_only), cs.segments)

@@ -33,7 +33,7 @@ from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
 from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.zero import layout_of
 
-_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm"}
+_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat"}
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Options:
     codegen: str
     timeout_s: float
     clip_grad_norm: float | None = None
+    remat: bool = True  # recompute cheap activations in the backward instead of keeping them (capture/remat.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -72,12 +73,16 @@ class Options:
             if opt is None:
                 raise PiperError("piper: options['clip_grad_norm'] clips before piper's optimizer step, so it needs "
                                  "options['optimizer']; without one, clip param.grad yourself after the call")
+        remat = options.get("remat", os.environ.get("PIPER_REMAT", "1") != "0")
+        if not isinstance(remat, bool):
+            raise PiperError(f"piper: options['remat'] must be True (recompute cheap activations such as GELU and "
+                             f"layer-norm outputs in the backward instead of keeping them) or False, got {remat!r}")
         directives = parse_directives(options.get("directives"))
         for d in directives:
             if isinstance(d, Replicate) and d.zero > 0 and opt is None:
                 raise d.error(f"zero={d.zero} shards optimizer state, so piper must run the optimizer",
                               "pass options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
-        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip))
+        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip), remat)
 
 
 # One TrainState per model, found through any of its parameters (shared by the grad/no-grad programs).
@@ -202,7 +207,7 @@ class CompiledStep:
             return any(filter_matches(f, dict(region)) for f in zero3)
 
         self.segments = {s.name: s for s in extract_segments(self.joint, bucket_bytes, split_bw if split else None,
-                                                             chunk_fw if zero3 else None)}
+                                                             chunk_fw if zero3 else None, self.options.remat)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.steps.append(self)
         self.example_inputs = []  # drop references to the first batch

@@ -18,6 +18,7 @@ from torch import fx
 
 from piper_compile.capture.annotate import AUTO_PREFIX
 from piper_compile.capture.joint import JointGraph
+from piper_compile.capture.remat import NO_REMAT, RematPlan, plan_remat
 from piper_compile.errors import PiperCaptureError
 
 Region = tuple[tuple[str, Any], ...]
@@ -295,26 +296,31 @@ def split_backward(nodes: list[fx.Node], joint: JointGraph, out_node: fx.Node) -
 
 def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
                      split_bw: Callable[[Region], bool] | None = None,
-                     chunk_fw: Callable[[Region], bool] | None = None) -> list[Segment]:
+                     chunk_fw: Callable[[Region], bool] | None = None, remat: bool = True) -> list[Segment]:
     """Cut the joint graph into segments: one per region and pass; the backward of regions for which
     ``split_bw`` holds is cut into BI and BW; backward (or BW) segments are further cut into
     bucket-sized chunks when ``bucket_bytes`` is given, and so are the forward segments of regions for
     which ``chunk_fw`` holds (ZeRO-3). Parameter-only values are recomputed by each segment that reads
-    them. Checks the segment graph is acyclic."""
+    them, and with ``remat`` so are cheap activations the backward can rebuild from what it keeps
+    anyway (``capture/remat.py``). Checks the segment graph is acyclic."""
     try:
-        return _extract(joint, bucket_bytes, split_bw, chunk_fw, False)
+        return _extract(joint, bucket_bytes, split_bw, chunk_fw, remat, False)
     except RegionCycleError as first:  # e.g. RMSNorm backward's pow(rsqrt, 3) joined a forward region
         try:
-            return _extract(joint, bucket_bytes, split_bw, chunk_fw, True)
+            return _extract(joint, bucket_bytes, split_bw, chunk_fw, remat, True)
         except RegionCycleError:
             raise first from None  # the default rule's message names the regions as the user tagged them
 
 
 def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[Region], bool] | None,
-             chunk_fw: Callable[[Region], bool] | None, defer_forward_only: bool) -> list[Segment]:
+             chunk_fw: Callable[[Region], bool] | None, remat: bool, defer_forward_only: bool) -> list[Segment]:
     gm = joint.gm
     region, passes = assign_regions(gm, defer_forward_only)
     derived = param_derived(gm, joint)
+    # ZeRO-3 regions: a recomputation must not read parameters (it would gather a bucket for a step that
+    # does not otherwise read it)
+    rp = plan_remat(joint, region, passes, derived, lambda reg: chunk_fw is None or not chunk_fw(reg),
+                    boundary_kind) if remat else NO_REMAT
     groups: dict[tuple[str, Region], list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output") or n.name in derived:
@@ -355,7 +361,7 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
                 keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
     keyed = _getitems_with_producer(keyed, gm)
     seg_of = {n.name: key for key, ns in keyed.items() for n in ns}
-    by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node, derived) for key, nodes in keyed.items()}
+    by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node, derived, rp) for key, nodes in keyed.items()}
     _check_acyclic(by_key, seg_of)
     return list(by_key.values())
 
@@ -378,16 +384,17 @@ def _getitems_with_producer(keyed: dict[Any, list[fx.Node]], gm: fx.GraphModule)
 
 
 def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node],
-                   seg_of: dict[str, Any], out_node: fx.Node, derived: set[str]) -> Segment:
+                   seg_of: dict[str, Any], out_node: fx.Node, derived: set[str], remat: RematPlan) -> Segment:
     pass_, reg, chunk = key
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[str] = []
+    backward = pass_ != "F"
 
     def load(a: fx.Node) -> fx.Node:
         if a in env:
             return env[a]
-        if a.name in derived:  # recomputed here from the parameters
+        if a.name in derived or (backward and remat.recomputes(a.name)):  # recomputed here, not received
             env[a] = g.node_copy(a, load)
             return env[a]
         if _is_sym(a):
@@ -411,7 +418,8 @@ def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
     out_nodes: list[fx.Node] = []
     out_meta: dict[str, tuple[tuple[str, ...], str]] = {}
     for n in nodes:
-        used_outside = any(u is out_node or seg_of.get(u.name) != key for u in n.users)
+        used_outside = any(u is out_node or (seg_of.get(u.name) != key and not (
+            remat.recomputes(n.name) and seg_of.get(u.name, ("F",))[0] != "F")) for u in n.users)
         if used_outside and not _is_sym(n):
             outputs.append(n.name)
             out_nodes.append(env[n])
