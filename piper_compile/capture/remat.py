@@ -210,11 +210,12 @@ class _Planner:
         return RematPlan(frozenset(chosen), released)
 
     def _readers_local(self, members: list[fx.Node]) -> bool:
-        """Every backward reader of the kept values is in their own region."""
+        """Every backward reader of the kept values is in their own region and is not a boundary op (whose
+        segment is that one op: a directive replaces it by communication plus local work)."""
         for m in members:
             reg = self.region.get(m.name)
             for u in m.users:
-                if self.passes.get(u.name) in BACKWARD_PASSES and self.region.get(u.name) != reg:
+                if self.passes.get(u.name) in BACKWARD_PASSES and (self.region.get(u.name) != reg or self.boundary(u)):
                     return False
         return True
 
