@@ -109,12 +109,12 @@ def _work_bytes(nodes: set[fx.Node]) -> int:
 
 class _Planner:
     def __init__(self, joint: JointGraph, region: dict[str, Any], passes: dict[str, str], derived: set[str],
-                 allow_params: Callable[[Any], bool], boundary: Callable[[fx.Node], Any]) -> None:
+                 param_ok: Callable[[fx.Node, str], bool], boundary: Callable[[fx.Node], Any]) -> None:
         self.joint = joint
         self.region = region
         self.passes = passes
         self.derived = derived
-        self.allow_params = allow_params
+        self.param_ok = param_ok
         self.boundary = boundary
         self._root: dict[fx.Node, fx.Node] = {}
 
@@ -131,18 +131,31 @@ class _Planner:
     def forward(self, n: fx.Node) -> bool:
         return n.op == "call_function" and self.passes.get(n.name) == "F"
 
-    def _free_leaf(self, a: fx.Node, reg: Any) -> bool | None:
-        """True: a recomputation may read ``a`` at no memory cost; False: never; None: only if kept."""
+    def _free_leaf(self, a: fx.Node, c: fx.Node) -> bool | None:
+        """True: recomputing ``c`` may read ``a`` at no memory cost; False: never; None: only if kept."""
         if a.op == "placeholder":
             value = self.joint.value_of.get(a.name, "")
             if value.startswith("param:"):
-                return self.allow_params(reg)
+                return self.param_ok(c, value)
             return value.split(":", 1)[0] in ("input", "buffer", "sym")
         if a.name in self.derived:  # computed from parameters alone (t(W)): recomputed everywhere anyway
-            return self.allow_params(reg)
+            return all(self._free_leaf(p, c) for p in self._derived_params(a))
         if isinstance(a.meta.get("val"), (torch.SymInt, int)):
             return True  # sizes are recomputed from the symbol values
         return None
+
+    def _derived_params(self, a: fx.Node) -> list[fx.Node]:
+        out, stack, seen = [], [a], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                out.append(n)
+            else:
+                stack.extend(n.all_input_nodes)
+        return out
 
     def closure(self, c: fx.Node, kept_roots: Any) -> tuple[list[fx.Node], list[fx.Node]] | None:
         """(nodes to recompute, values read) for ``c``, or None when it cannot be recomputed for free."""
@@ -160,7 +173,7 @@ class _Planner:
             if n.name in self.joint.grad_of or n.name == self.joint.loss or len(nodes) >= MAX_CLOSURE:
                 return False
             for a in n.all_input_nodes:
-                free = self._free_leaf(a, reg)
+                free = self._free_leaf(a, c)
                 if free is False:
                     return False
                 if free is True:
@@ -221,8 +234,8 @@ class _Planner:
 
 
 def plan_remat(joint: JointGraph, region: dict[str, Any], passes: dict[str, str], derived: set[str],
-               allow_params: Callable[[Any], bool], boundary: Callable[[fx.Node], Any]) -> RematPlan:
+               param_ok: Callable[[fx.Node, str], bool], boundary: Callable[[fx.Node], Any]) -> RematPlan:
     """Which forward values the backward segments recompute (see the module docstring).
-    ``allow_params(region)``: whether a recomputation in that region may read parameters (not under
-    ZeRO-3, where that would gather a bucket for a step that does not otherwise read it)."""
-    return _Planner(joint, region, passes, derived, allow_params, boundary).plan()
+    ``param_ok(c, param)``: whether recomputing kept value ``c`` in its backward readers may read parameter
+    value ``param`` (under ZeRO-3 only a parameter of a bucket those readers' steps gather anyway)."""
+    return _Planner(joint, region, passes, derived, param_ok, boundary).plan()

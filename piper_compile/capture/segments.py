@@ -317,10 +317,6 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
     gm = joint.gm
     region, passes = assign_regions(gm, defer_forward_only)
     derived = param_derived(gm, joint)
-    # ZeRO-3 regions: a recomputation must not read parameters (it would gather a bucket for a step that
-    # does not otherwise read it)
-    rp = plan_remat(joint, region, passes, derived, lambda reg: chunk_fw is None or not chunk_fw(reg),
-                    boundary_kind) if remat else NO_REMAT
     groups: dict[tuple[str, Region], list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output") or n.name in derived:
@@ -361,9 +357,38 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
                 keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
     keyed = _getitems_with_producer(keyed, gm)
     seg_of = {n.name: key for key, ns in keyed.items() for n in ns}
+    rp = NO_REMAT
+    if remat:
+        param_ok = _remat_param_rule(joint, keyed, seg_of, region, passes, derived, bucket_of, chunk_fw)
+        rp = plan_remat(joint, region, passes, derived, param_ok, boundary_kind)
     by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node, derived, rp) for key, nodes in keyed.items()}
     _check_acyclic(by_key, seg_of)
     return list(by_key.values())
+
+
+def _remat_param_rule(joint: JointGraph, keyed: dict[Any, list[fx.Node]], seg_of: dict[str, Any],
+                      region: dict[str, Region], passes: dict[str, str], derived: set[str], bucket_of: dict[str, Any],
+                      chunk_fw: Callable[[Region], bool] | None) -> Callable[[fx.Node, str], bool]:
+    """May a recomputation of kept value ``c`` read parameter ``param``? Always, except in ZeRO-3 regions,
+    where each backward step gathers only the buckets it reads: there only a parameter of a bucket that
+    every backward step reading ``c`` gathers anyway (a layer norm's weight, when its bucket is the one
+    of the linear layer whose weight gradient reads the norm's output)."""
+    if chunk_fw is None:
+        return lambda c, param: True
+    reads: dict[Any, set[Any]] = {}
+
+    def buckets(key: Any) -> set[Any]:
+        if key not in reads:
+            reads[key] = {bucket_of.get(v) for n in keyed[key] for v in _param_roots(n, derived, joint)} - {None}
+        return reads[key]
+
+    def ok(c: fx.Node, param: str) -> bool:
+        if not chunk_fw(region[c.name]):
+            return True
+        b = bucket_of.get(param)
+        readers = {seg_of[u.name] for u in c.users if passes.get(u.name) != "F" and u.name in seg_of}
+        return b is not None and all(b in buckets(k) for k in readers)
+    return ok
 
 
 def _getitems_with_producer(keyed: dict[Any, list[fx.Node]], gm: fx.GraphModule) -> dict[Any, list[fx.Node]]:

@@ -61,17 +61,22 @@ def test_gpt_recomputes_gelu_and_layer_norm_outputs_in_the_backward():
     assert _kept_elements(off) - _kept_elements(on) == tokens * (layers * 4 * dim + (2 * layers + 1) * dim + 1)
 
 
-def test_zero3_recomputation_reads_no_parameters():
-    """Under ZeRO-3 a recomputation reading a weight would gather its bucket for one more step: layer norms
-    (which read their weight and bias) stay kept, GELU (parameter-free) is still recomputed."""
+@pytest.mark.parametrize("bucket_mb", [1e-4, 0.05])
+def test_zero3_recomputation_reads_only_buckets_its_step_gathers(bucket_mb: float):
+    """Under ZeRO-3 every backward step gathers the buckets it reads: a recomputation may read a parameter
+    only from one of those (else it would gather one more). With a bucket per parameter no layer norm is
+    recomputed (its weight is never in the bucket of the linear layer that reads its output); with about a
+    bucket per block some are; GELU (parameter-free) always is; no step reads a parameter it did not."""
     model = build_model("gpt", **GPT_CFG)
-    p = _plan(model, [piper.replicate(zero=3, bucket_mb=0.01)], **ADAMW)
-    back = [s for s in p.segments.values() if s.pass_ == "B"]
+    dirs = [piper.replicate(zero=3, bucket_mb=bucket_mb)]
+    on, off = _plan(model, dirs, **ADAMW), _plan(model, dirs, remat=False, **ADAMW)
+    back = [s for s in on.segments.values() if s.pass_ == "B"]
     assert sum(_ops(s, "gelu") for s in back) == GPT_CFG["layers"]
-    assert not any(_ops(s, "native_layer_norm") for s in back)
-    off = _plan(model, [piper.replicate(zero=3, bucket_mb=0.01)], remat=False, **ADAMW)
-    params = {s.name: {v for v in s.inputs if v.startswith("param:")} for s in p.segments.values()}
+    norms = sum(_ops(s, "native_layer_norm") for s in back)
+    assert norms == 0 if bucket_mb < 1e-3 else 0 < norms <= 2 * GPT_CFG["layers"] + 1
+    params = {s.name: {v for v in s.inputs if v.startswith("param:")} for s in on.segments.values()}
     assert params == {s.name: {v for v in s.inputs if v.startswith("param:")} for s in off.segments.values()}
+    assert _kept_elements(on) < _kept_elements(off)
 
 
 def _cross_region_values(p: piper.StaticPlan) -> set[str]:
