@@ -50,10 +50,6 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     if "tp" not in dag.meta:
         return dag
     index, spec, stream = dag.meta["tp"]
-    if ctx.clip_grad_norm is not None:
-        raise PiperDirectiveError(index, {"shard_tensor": "clip_grad_norm"}, "options['clip_grad_norm'] with "
-                                  "shard_tensor is not supported yet (the norm would count replicated gradients "
-                                  "once per tensor-parallel rank)", "drop clip_grad_norm or shard_tensor")
     sizes = set()
     for n in list(dag.of_kind(Kind.COMPUTE)):
         if n.attr("tp_by") is None:

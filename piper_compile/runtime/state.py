@@ -391,12 +391,20 @@ class TrainState:
         return [f for f in fqns if f not in sharded]
 
     def local_grad_sq(self, node: Any, grads: GradBuffers, rank: int) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm: every gradient counted once in the
-        world (shards by their owner, whole gradients by the first rank of the group that wrote them)."""
+        """This rank's share of the squared global gradient norm: every gradient element counted once in
+        the world. ZeRO shards by their owner; expert shards by every rank (each holds other experts);
+        tensor-parallel pieces by the ranks of one tensor-parallel group, the one holding the group's
+        first rank (every rank of it holds another piece; the other data-parallel replicas hold copies);
+        every other whole gradient by the first rank of the group that wrote it (data-parallel replicas,
+        parameters replicated inside a tensor-parallel group and sequence-parallel partial gradients all
+        hold the same value once synchronised)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        experts = set(node.attr("ep_params") or ())  # every rank counts its own experts
+        experts = set(node.attr("ep_params") or ())
+        first = node.devices[0]
         for f in self._whole(node, sorted(node.attr("norm_params") or ())):
-            if rank == node.devices[0] or f in experts:
+            sh = self.shards.get(f)
+            counts = first in sh.group if sh is not None and sh.kind == "tp" else rank == first
+            if counts or f in experts:
                 total += grads.view(f).float().pow(2).sum()
         for _, g in self._shard_grads(node, grads):
             total += g.float().pow(2).sum()

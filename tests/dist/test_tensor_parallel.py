@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import piper_compile as piper
-from piper_compile.testing.parity import RunConfig, run_parity
+from piper_compile.testing.parity import RunConfig, eager_reference, run_parity
 
 TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
 
@@ -44,6 +44,34 @@ def test_pp2_x_tp2_gpt_tied_embedding():
     res = run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, stages=2, directives=d, local_batch=4, tp=2), 4)
     _collectives(res, 4 * 1 * 4, grad=False)
 
+
+# -- gradient clipping: the global norm counts each TP piece once (not once per data-parallel replica),
+# parameters replicated inside a TP group once (not once per TP rank), sequence-parallel partial gradients
+# once they are summed. AdamW is nearly invariant to the gradient's scale, but a 5% error in the clip
+# coefficient already moves these parameters by ~4e-5, outside AdamW's tolerance (the one of the other
+# AdamW parity tests: its update normalises tiny gradients, so summation order shows at ~1e-6).
+ADAMW = ("AdamW", {"lr": 1e-3, "weight_decay": 0.1})
+ADAMW_TOL = dict(rtol=1e-4, atol=1e-5)
+MAX_NORM = 0.1
+
+
+def _clipped_parity(directives: list, world: int) -> None:
+    cfg = RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=directives, local_batch=4, tp=2,
+                    optimizer=ADAMW, clip_grad_norm=MAX_NORM)
+    norms = eager_reference(cfg, world)["grad_norms"]
+    assert len(norms) == cfg.steps and min(norms) > 2 * MAX_NORM, norms  # clipping happens at every step
+    res = run_parity(cfg, world, **ADAMW_TOL)
+    assert all(r["collectives"]["gradnorm"] == 1 for r in res)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp2_gpt_grad_clipping(sp):
+    _clipped_parity([piper.split(2), piper.shard_tensor(TP, sequence_parallel=sp)], 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_gpt_grad_clipping():
+    _clipped_parity([piper.split(2), piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], 4)
 
 
 # -- sequence parallel: per layer and micro-batch, forward reduce-scatter x2 + all-gather x2, backward the

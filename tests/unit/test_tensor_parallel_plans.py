@@ -86,9 +86,13 @@ def test_tp_with_zero_is_rejected():
               optimizer=torch.optim.AdamW)
 
 
-def test_tp_with_clipping_is_rejected():
-    with pytest.raises(PiperDirectiveError, match="clip_grad_norm"):
-        _plan([piper.shard_tensor(TP)], optimizer=torch.optim.AdamW, clip_grad_norm=1.0)
+def test_tp_with_clipping_plans_one_world_norm_all_reduce():
+    p = _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
+              optimizer=torch.optim.AdamW, clip_grad_norm=1.0)
+    norm = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "gradnorm"]
+    assert len(norm) == 1 and norm[0].devices == (0, 1, 2, 3)
+    upd = next(iter(p.dag.of_kind(Kind.UPDATE)))
+    assert (norm[0].name, upd.name) in p.dag.order_edges  # every rank clips before its update
 
 
 def test_bad_sharding_kind_and_groups():
