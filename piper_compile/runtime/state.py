@@ -62,6 +62,24 @@ class LocalShard:
         n = self.param.shape[0]
         return slice(self.rank * n, (self.rank + 1) * n) if self.spec.dim == 0 and self.spec.parts == 1 else None
 
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.param.shape)
+        shape[self.spec.dim] *= self.spec.size
+        return tuple(shape)
+
+    def boxes(self, t: torch.Tensor) -> list[tuple[torch.Size, torch.Tensor]]:
+        """``t`` (the piece or a tensor of its shape, e.g. its optimizer state) as boxes of the full
+        tensor: (offsets in it, a view of ``t``); one per fused block (``colwise:N``: N)."""
+        d = self.spec.dim
+        return [(torch.Size(off), t.narrow(d, start, n)) for off, start, n in self.spec.boxes(self.full_shape, self.rank)]
+
+    def put(self, full: torch.Tensor) -> None:
+        """Write this rank's piece into its place in ``full`` (a tensor of the full shape)."""
+        d = self.spec.dim
+        for (off, view) in self.boxes(self.param.detach()):
+            full.narrow(d, off[d], view.shape[d]).copy_(view)
+
     def gather(self, groups: Any) -> torch.Tensor:
         """The full parameter from every rank's piece (collective over ``group``)."""
         local = self.param.detach().contiguous()

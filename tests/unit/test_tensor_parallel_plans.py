@@ -39,6 +39,23 @@ def test_tp_shard_take_and_assemble_round_trip():
     assert torch.equal(q0, torch.cat([full[0:2], full[4:6], full[8:10]]))
 
 
+@pytest.mark.parametrize("spec", [ParamShard("w", 0, 3, 2), ParamShard("w", 0, 1, 3), ParamShard("w", 1, 1, 2)])
+def test_tp_shard_boxes_tile_the_full_tensor(spec):
+    """The boxes a checkpoint writes for each rank's piece: together every element of the full tensor once,
+    each box the matching slice of the piece."""
+    full = torch.arange(72.0).view(12, 6)
+    seen = torch.zeros_like(full)
+    for r in range(spec.size):
+        piece = spec.take(full, r)
+        boxes = spec.boxes(tuple(full.shape), r)
+        assert len(boxes) == spec.parts
+        for off, start, n in boxes:
+            target = full.narrow(spec.dim, off[spec.dim], n)
+            assert torch.equal(piece.narrow(spec.dim, start, n), target)
+            seen.narrow(spec.dim, off[spec.dim], n).add_(1)
+    assert torch.equal(seen, torch.ones_like(full))
+
+
 class _FixedHeads(nn.Module):
     """Attention whose head reshape fixes the head count (``view(b, t, heads, 4)``, not ``-1``)."""
 
