@@ -163,14 +163,20 @@ def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[Box]
     return out
 
 
-def _pieces_of(b: ShardBucket, src: torch.Tensor) -> dict[str, ShardPieces]:
-    """fqn -> this shard's pieces of it, as views of ``src`` (the shard or a shard-shaped state tensor)."""
+def _pieces_of(b: ShardBucket, src: torch.Tensor, split: dict[str, Any]) -> dict[str, ShardPieces]:
+    """fqn -> this shard's pieces of it, as views of ``src`` (the shard or a shard-shaped state tensor).
+    ``split``: this rank's tensor-parallel pieces (``LocalShard``) by fqn; the bucket holds such a piece,
+    so its boxes are placed in the full tensor through it."""
     out = {}
     shapes = dict(zip(b.fqns, b.shapes))
     for fqn, p_start, s_start, n in b.local_pieces():
         boxes = [(torch.Size(off), src[s_start + flat - p_start: s_start + flat - p_start + math.prod(size)].view(size))
                  for off, size, flat in flat_range_boxes(shapes[fqn], p_start, n)]
-        out[fqn] = ShardPieces(shapes[fqn], boxes)
+        sh = split.get(fqn)
+        if sh is None:
+            out[fqn] = ShardPieces(shapes[fqn], boxes)
+        else:
+            out[fqn] = ShardPieces(sh.full_shape, [box for off, v in boxes for box in sh.place(tuple(off), v)])
     return out
 
 
@@ -310,7 +316,7 @@ def _model_entries(ctx: _Ctx) -> dict[str, Any]:
     z = ctx.st.zero
     for name in ctx.shards:
         b = z.buckets[name]
-        out.update(_pieces_of(b, b.shard.detach()))
+        out.update(_pieces_of(b, b.shard.detach(), ctx.split))
     for f in ctx.trained:
         if f not in ctx.sharded:
             out[f] = ctx.pieces(f, ctx.local(f).detach()) if f in ctx.split else ctx.params[f].detach()
@@ -348,7 +354,7 @@ def _optimizer_entries(ctx: _Ctx, opt: torch.optim.Optimizer) -> tuple[dict[str,
         fqns = [f for f, *_ in b.local_pieces()]
         for k, v in s.items():
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.shard_len:
-                for f, pieces in _pieces_of(b, v.detach()).items():
+                for f, pieces in _pieces_of(b, v.detach(), ctx.split).items():
                     add(f, b.shard, k, pieces)
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 raise PiperError(f"piper: optimizer state {k!r} of ZeRO bucket {name} has shape {tuple(v.shape)}, "

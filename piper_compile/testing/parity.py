@@ -108,7 +108,7 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
             "collectives": dict(stats.collectives), "p2p": stats.p2p, "stats": stats,
             "memory": piper.memory_report(step) if not cfg.user_optimizer else None,
-            "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback)}
+            "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback), "tp_partial": sorted(cs.tp_partial)}
 
 
 def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:

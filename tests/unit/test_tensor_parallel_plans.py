@@ -97,10 +97,23 @@ def test_indivisible_features():
         _plan([piper.shard_tensor({"blocks.*.fc": "colwise"})], world=3)
 
 
-def test_tp_with_zero_is_rejected():
-    with pytest.raises(PiperDirectiveError, match="ZeRO with shard_tensor"):
-        _plan([piper.replicate(zero=1), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
+@pytest.mark.parametrize("zero", [2, 3])
+def test_tp_with_zero_2_and_3_is_rejected(zero):
+    with pytest.raises(PiperDirectiveError, match=f"ZeRO-{zero} with shard_tensor.*use zero=1"):
+        _plan([piper.replicate(zero=zero), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
               optimizer=torch.optim.AdamW)
+
+
+def test_tp_zero1_shards_within_each_data_parallel_subgroup():
+    """DP2 x TP2 ZeRO-1: buckets reduced over the data-parallel subgroups [0, 2] and [1, 3], and each
+    bucket's updated shards all-gathered within each of them (one node per subgroup)."""
+    p = _plan([piper.replicate(zero=1, bucket_mb=0.01), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
+              optimizer=torch.optim.AdamW)
+    ars = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "grad"]
+    assert ars and all(n.attr("zero") == 1 and n.attr("subgroups") == ((0, 2), (1, 3)) for n in ars)
+    ags = [n for n in p.dag.of_kind(Kind.ALL_GATHER) if n.attr("purpose") == "param"]
+    assert sorted(n.devices for n in ags) == sorted([(0, 2), (1, 3)] * len(ars))
+    assert {n.attr("bucket") for n in ags} == {n.attr("bucket") for n in ars}
 
 
 def test_tp_with_clipping_plans_one_world_norm_all_reduce():
