@@ -163,7 +163,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[Box]
     return out
 
 
-def _pieces_of(b: ShardBucket, src: torch.Tensor, split: dict[str, Any]) -> dict[str, ShardPieces]:
+def _pieces_of(b: ShardBucket, src: torch.Tensor, split: dict[str, LocalShard]) -> dict[str, ShardPieces]:
     """fqn -> this shard's pieces of it, as views of ``src`` (the shard or a shard-shaped state tensor).
     ``split``: this rank's tensor-parallel pieces (``LocalShard``) by fqn; the bucket holds such a piece,
     so its boxes are placed in the full tensor through it."""

@@ -61,7 +61,7 @@ def zero_layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], Zer
 def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGroup]:
     by_region: dict[object, Node] = {}
     for n in dag.of_kind(Kind.COMPUTE):
-        if n.attr("zero", 0) and len(n.devices) > 1:
+        if n.attr("zero", 0) and _sharding_ranks(n) > 1:
             by_region.setdefault(ctx.segments[n.attr("segment")].region, n)
     if not by_region:
         return {}
@@ -82,6 +82,13 @@ def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGro
         if sharded:
             g.buckets.append((f"{group_label(n.devices)}.b{len(g.buckets)}", sharded))
     return groups
+
+
+def _sharding_ranks(n: Node) -> int:
+    """How many ranks share the ZeRO shards of ``n``'s region: its group, or under tensor parallelism a
+    data-parallel subgroup (a tensor-parallel group alone has no replica to shard with)."""
+    tp = n.attr("tp_groups")
+    return len(dp_subgroups(tp)[0]) if tp else len(n.devices)
 
 
 def _compute_order(dag: TrainingDAG) -> list[Node]:

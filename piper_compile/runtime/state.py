@@ -64,6 +64,7 @@ class LocalShard:
 
     @property
     def full_shape(self) -> tuple[int, ...]:
+        """The shape of the whole parameter this is a piece of."""
         shape = list(self.param.shape)
         shape[self.spec.dim] *= self.spec.size
         return tuple(shape)
@@ -90,7 +91,7 @@ class LocalShard:
     def put(self, full: torch.Tensor) -> None:
         """Write this rank's piece into its place in ``full`` (a tensor of the full shape)."""
         d = self.spec.dim
-        for (off, view) in self.boxes(self.param.detach()):
+        for off, view in self.boxes(self.param.detach()):
             full.narrow(d, off[d], view.shape[d]).copy_(view)
 
     def gather(self, groups: Any) -> torch.Tensor:

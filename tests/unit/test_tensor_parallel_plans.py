@@ -116,6 +116,13 @@ def test_tp_zero1_shards_within_each_data_parallel_subgroup():
     assert {n.attr("bucket") for n in ags} == {n.attr("bucket") for n in ars}
 
 
+def test_tp_zero1_without_data_parallel_replicas_shards_nothing():
+    """TP2 alone: every data-parallel subgroup is one rank, so zero=1 has no one to shard with."""
+    p = _plan([piper.replicate(zero=1), piper.shard_tensor(TP)], optimizer=torch.optim.AdamW)
+    assert not p.dag.of_kind(Kind.ALL_GATHER) and not p.dag.meta["zero"]
+    assert not next(iter(p.dag.of_kind(Kind.UPDATE))).attr("shards")
+
+
 def test_tp_with_clipping_plans_one_world_norm_all_reduce():
     p = _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
               optimizer=torch.optim.AdamW, clip_grad_norm=1.0)
