@@ -64,7 +64,7 @@ def _clipped_parity(directives: list, world: int) -> list[dict]:
     return res
 
 
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_tp2_gpt_grad_clipping(sp):
     _clipped_parity([piper.split(2), piper.shard_tensor(TP, sequence_parallel=sp)], 2)
 
