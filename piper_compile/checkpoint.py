@@ -24,6 +24,11 @@ Under expert parallelism (``shard``) a rank's expert shard of a weight ``[E, ...
 ``r*E/G .. (r+1)*E/G - 1`` of a group of ``G``) is one box at offset ``r*E/G`` along dim 0, for the
 weight and for each optimizer state tensor of the local shard's shape (scalars such as AdamW's ``step``
 are written whole by every rank), so expert checkpoints also load into another EP size or an eager model.
+Under tensor parallelism (``shard_tensor``) a rank's piece of a layer split along ``dim`` over a group
+of ``G`` is one box at ``r*n`` along ``dim`` (``n = size/G``), or for a fused ``colwise:N`` layer one box
+per block (at ``j*size/N + r*n/N``), again for the weight and each optimizer state tensor of its shape.
+The data-parallel replicas of a tensor-parallel group write the same boxes under the same keys and
+offsets; DCP's save planner keeps one of each (``dedup_save_plans``).
 
 ``dcp.load(sd)`` writes into the live shards, parameters and optimizer state in place; the two
 top-level entries are DCP ``Stateful`` so that loading then re-gathers ZeRO-1/2 full parameters from
@@ -36,9 +41,10 @@ under ZeRO-3 ``model.state_dict()`` all-gathers the shards, so every rank of eac
 it together; ``model.load_state_dict(full)`` is local (each rank copies its pieces from the full
 tensors). Under pipeline parallelism ``model.state_dict()`` on a rank is current only for the
 parameters that rank trains; ``full_state_dict`` is current for all. Under expert parallelism the
-model's expert weights hold no memory (each rank trains its local shard): ``model.state_dict()`` and
-``full_state_dict`` all-gather them within each expert-parallel group (a collective over the world),
-and ``model.load_state_dict(full)`` copies each rank's experts into its shard.
+model's expert weights hold no memory (each rank trains its local shard), and so do the split layers
+under tensor parallelism: ``model.state_dict()`` and ``full_state_dict`` all-gather them within each
+expert / tensor-parallel group (a collective over the world; every parameter is then current on every
+rank), and ``model.load_state_dict(full)`` copies each rank's piece into its shard.
 
 Not covered: ``dcp.async_save`` (its staging copies tensors, which the piece views do not support),
 modules' non-tensor ``extra_state``; ``load`` reads a local checkpoint directory.
@@ -59,6 +65,7 @@ from torch import nn
 from piper_compile.api import _module_of, _state
 from piper_compile.errors import PiperError
 from piper_compile.runtime import state as _state_mod
+from piper_compile.runtime.state import LocalShard
 from piper_compile.runtime.zero import ShardBucket, ensure_storage, free_storage
 
 __all__ = ["full_state_dict", "load", "load_full_state_dict", "materialize_optimizer_state", "save",
@@ -156,14 +163,20 @@ def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[Box]
     return out
 
 
-def _pieces_of(b: ShardBucket, src: torch.Tensor) -> dict[str, ShardPieces]:
-    """fqn -> this shard's pieces of it, as views of ``src`` (the shard or a shard-shaped state tensor)."""
+def _pieces_of(b: ShardBucket, src: torch.Tensor, split: dict[str, LocalShard]) -> dict[str, ShardPieces]:
+    """fqn -> this shard's pieces of it, as views of ``src`` (the shard or a shard-shaped state tensor).
+    ``split``: this rank's tensor-parallel pieces (``LocalShard``) by fqn; the bucket holds such a piece,
+    so its boxes are placed in the full tensor through it."""
     out = {}
     shapes = dict(zip(b.fqns, b.shapes))
     for fqn, p_start, s_start, n in b.local_pieces():
         boxes = [(torch.Size(off), src[s_start + flat - p_start: s_start + flat - p_start + math.prod(size)].view(size))
                  for off, size, flat in flat_range_boxes(shapes[fqn], p_start, n)]
-        out[fqn] = ShardPieces(shapes[fqn], boxes)
+        sh = split.get(fqn)
+        if sh is None:
+            out[fqn] = ShardPieces(shapes[fqn], boxes)
+        else:
+            out[fqn] = ShardPieces(sh.full_shape, [box for off, v in boxes for box in sh.place(tuple(off), v)])
     return out
 
 
@@ -253,20 +266,20 @@ class _Ctx:
         return _groups_of(self.st)
 
     @property
-    def experts(self) -> dict[str, tuple[nn.Parameter, slice]]:
-        """Expert parallelism: fqn -> (this rank's local shard, its experts) of each expert weight."""
-        return self.st.experts
+    def split(self) -> dict[str, LocalShard]:
+        """Expert and tensor parallelism: fqn -> this rank's piece of each split parameter."""
+        return self.st.shards
 
     def local(self, fqn: str) -> torch.Tensor:
-        """What this rank trains for an unsharded (by ZeRO) parameter: its expert shard or the parameter."""
+        """What this rank trains for an unsharded (by ZeRO) parameter: its expert / tensor-parallel piece
+        or the parameter."""
         return self.st.local_param(fqn, self.params[fqn])
 
-    def expert_pieces(self, fqn: str, t: torch.Tensor) -> ShardPieces:
-        """``t`` (the local expert shard of ``fqn`` or a state tensor of its shape) as a piece of the full
-        ``[E, ...]`` tensor, at offset ``slice.start`` along dim 0."""
-        sl = self.experts[fqn][1]
-        full = self.params[fqn].shape
-        return ShardPieces(full, [(torch.Size((sl.start, *[0] * (len(full) - 1))), t)])
+    def pieces(self, fqn: str, t: torch.Tensor) -> ShardPieces:
+        """``t`` (this rank's piece of split parameter ``fqn`` or a state tensor of its shape) as boxes of
+        the full tensor: experts ``[E/G, ...]`` at ``r*E/G`` along dim 0; a tensor-parallel piece at
+        ``r*n`` along its split dimension, once per fused block (``colwise:3``: three boxes)."""
+        return ShardPieces(self.params[fqn].shape, self.split[fqn].boxes(t))
 
 
 _PROGRAMS: "weakref.WeakKeyDictionary[Any, list[Any]]" = weakref.WeakKeyDictionary()
@@ -282,11 +295,6 @@ def _train_programs(st: Any, cs: Any) -> list[Any]:
 
 
 def _ctx_of(st: Any, cs: Any, module: nn.Module | None) -> _Ctx:
-    tp = [f for f, sh in st.shards.items() if sh.kind == "tp"]
-    if tp:
-        raise PiperError("piper: checkpoints and full state dicts of tensor-parallel (shard_tensor) shards are not "
-                         f"supported yet ({len(tp)} split parameters); piper.trained_parameters(step) "
-                         "gathers the full values, save those with torch.save")
     return _Ctx(st, cs, module, _train_programs(st, cs))
 
 
@@ -308,13 +316,13 @@ def _model_entries(ctx: _Ctx) -> dict[str, Any]:
     z = ctx.st.zero
     for name in ctx.shards:
         b = z.buckets[name]
-        out.update(_pieces_of(b, b.shard.detach()))
+        out.update(_pieces_of(b, b.shard.detach(), ctx.split))
     for f in ctx.trained:
         if f not in ctx.sharded:
-            out[f] = ctx.expert_pieces(f, ctx.local(f).detach()) if f in ctx.experts else ctx.params[f].detach()
+            out[f] = ctx.pieces(f, ctx.local(f).detach()) if f in ctx.split else ctx.params[f].detach()
     for f, p in ctx.params.items():  # trained by no rank (frozen): every rank holds rank 0's copy
         if f not in ctx.owners:
-            out[f] = ctx.expert_pieces(f, ctx.local(f).detach()) if f in ctx.experts else p.detach()
+            out[f] = ctx.pieces(f, ctx.local(f).detach()) if f in ctx.split else p.detach()
     named = {ctx.name_of[f]: v for f, v in out.items()}
     if ctx.module is not None:  # tied aliases under every name, and persistent buffers
         fqn_by_id = {id(p): f for f, p in ctx.params.items()}
@@ -346,7 +354,7 @@ def _optimizer_entries(ctx: _Ctx, opt: torch.optim.Optimizer) -> tuple[dict[str,
         fqns = [f for f, *_ in b.local_pieces()]
         for k, v in s.items():
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.shard_len:
-                for f, pieces in _pieces_of(b, v.detach()).items():
+                for f, pieces in _pieces_of(b, v.detach(), ctx.split).items():
                     add(f, b.shard, k, pieces)
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 raise PiperError(f"piper: optimizer state {k!r} of ZeRO bucket {name} has shape {tuple(v.shape)}, "
@@ -359,12 +367,12 @@ def _optimizer_entries(ctx: _Ctx, opt: torch.optim.Optimizer) -> tuple[dict[str,
         if f not in ctx.sharded:
             p = ctx.local(f)
             for k, v in (opt.state.get(p) or {}).items():
-                if f in ctx.experts and isinstance(v, torch.Tensor) and v.dim() > 0:
+                if f in ctx.split and isinstance(v, torch.Tensor) and v.dim() > 0:
                     if v.shape != p.shape:
-                        raise PiperError(f"piper: optimizer state {k!r} of the expert shard of {f} has shape "
-                                         f"{tuple(v.shape)}, neither a scalar nor the shard's {tuple(p.shape)}; it "
+                        raise PiperError(f"piper: optimizer state {k!r} of this rank's piece of {f} has shape "
+                                         f"{tuple(v.shape)}, neither a scalar nor the piece's {tuple(p.shape)}; it "
                                          "cannot be checkpointed by parameter")
-                    v = ctx.expert_pieces(f, v.detach())
+                    v = ctx.pieces(f, v.detach())
                 add(f, p, k, v)
     all_trained = [ctx.name_of[f] for f in ctx.params if f in ctx.owners]
     if len(opt.param_groups) == 1:
@@ -564,7 +572,7 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
         for name in sorted(z.buckets):
             b = z.buckets[name]
             vals.update({f: v.clone() for f, v in b.views(z.full_flat(b.name, ctx.groups)).items()})
-    vals.update(_gather_experts(ctx))
+    vals.update(_gather_pieces(ctx))
     for f, p in ctx.params.items():
         if f not in vals:  # a released parameter (another stage's) has no storage: its owner sends it
             vals[f] = p.detach().clone() if p.untyped_storage().nbytes() else torch.empty(p.shape, dtype=p.dtype,
@@ -577,10 +585,11 @@ def _full_values(ctx: _Ctx) -> dict[str, torch.Tensor]:
     return vals
 
 
-def _gather_experts(ctx: _Ctx) -> dict[str, torch.Tensor]:
-    """Full expert weights of the expert-parallel groups this rank is in, all-gathered from the ranks'
-    shards (the same order on every rank: sorted by fqn, each group's collectives on its own group)."""
-    return {f: ctx.st.shards[f].gather(ctx.groups) for f in sorted(ctx.experts)}
+def _gather_pieces(ctx: _Ctx) -> dict[str, torch.Tensor]:
+    """Full values of the expert and tensor-parallel weights this rank holds a piece of, all-gathered
+    within each piece's group (the same order on every rank: sorted by fqn, each group's collectives on
+    its own group)."""
+    return {f: ctx.split[f].gather(ctx.groups) for f in sorted(ctx.split)}
 
 
 def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = True) -> Any:
@@ -653,15 +662,16 @@ def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str
 
 def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
     """ZeRO-3: give the parameters storage (holding this rank's pieces) so load_state_dict can copy;
-    released parameters (other stages', and expert weights under expert parallelism) get storage for the
-    copy too (an expert weight holding this rank's experts, so that a key the state dict lacks keeps them)."""
+    released parameters (other stages', and expert / tensor-parallel weights, of which a rank holds a
+    piece) get storage for the copy too (a split weight holding this rank's piece in its place, so that a
+    key the state dict lacks keeps it)."""
     for f in sorted(st.released):
         ensure_storage(st.named[f])
     with torch.no_grad():
-        for f, (local, sl) in sorted(st.experts.items()):
+        for f, sh in sorted(st.shards.items()):
             if f in st.released:
                 st.named[f].zero_()
-                st.named[f][sl].copy_(local.detach())
+                sh.put(st.named[f])
     z = st.zero
     if z is None or not z.sharded:
         return
@@ -679,11 +689,11 @@ def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
 
 def _load_post_hook(st: Any, module: nn.Module, incompatible: Any) -> None:
     """The loaded full parameters into this rank's shards; ZeRO-3 and released parameters lose their
-    storage again; expert shards take their experts from the loaded full weights."""
+    storage again; expert and tensor-parallel pieces take theirs from the loaded full weights."""
     with torch.no_grad():
-        for f, (local, sl) in sorted(st.experts.items()):
+        for f, sh in sorted(st.shards.items()):
             if f in st.released and st.named[f].untyped_storage().nbytes():
-                local.copy_(st.named[f][sl])
+                sh.param.copy_(sh.spec.take(st.named[f], sh.rank))
     for f in sorted(st.released):
         if st.named[f].untyped_storage().nbytes():
             free_storage(st.named[f])

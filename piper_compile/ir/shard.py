@@ -33,6 +33,18 @@ class ParamShard:
         blocks = [p.unflatten(self.dim, (self.parts, -1)) for p in pieces]
         return torch.cat(blocks, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
 
+    def boxes(self, shape: tuple[int, ...], r: int) -> list[tuple[tuple[int, ...], int, int]]:
+        """Rank ``r``'s piece of a tensor of full ``shape`` as boxes of it, one per fused block:
+        ``(offsets in the full tensor, start in the piece along dim, length along dim)``."""
+        block = shape[self.dim] // self.parts
+        n = block // self.size
+        out = []
+        for p in range(self.parts):
+            offsets = [0] * len(shape)
+            offsets[self.dim] = p * block + r * n
+            out.append((tuple(offsets), p * n, n))
+        return out
+
     def rows(self, shape: tuple[int, ...], r: int) -> slice | None:
         """The contiguous slice of dim 0 rank ``r`` holds (None unless split along dim 0 in one part)."""
         if self.dim != 0 or self.parts != 1:

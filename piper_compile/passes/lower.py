@@ -269,11 +269,13 @@ def _insert_update(dag: TrainingDAG, group: tuple[int, ...], held: dict[str, set
         if n.devices == group:
             dag.add_order(n.name, upd.name)
     if z is not None and z.level <= 2:  # the updated shards back into every replica's parameters
-        for b, fqns in z.buckets:
-            ag = dag.add(Node(f"AG.{b}", Kind.ALL_GATHER, (), group, z.gather_stream, (), (),
-                              tuple(sorted({"bucket": b, "params": fqns, "zero": z.level,
-                                            "purpose": "param"}.items()))))
-            dag.add_order(upd.name, ag.name)
+        for b, fqns in z.buckets:  # tensor parallel: within each data-parallel subgroup (its own node)
+            for sub in z.subgroups or (group,):
+                name = f"AG.{b}" + (f".{group_label(sub)}" if z.subgroups else "")
+                ag = dag.add(Node(name, Kind.ALL_GATHER, (), sub, z.gather_stream, (), (),
+                                  tuple(sorted({"bucket": b, "params": fqns, "zero": z.level,
+                                                "purpose": "param"}.items()))))
+                dag.add_order(upd.name, ag.name)
 
 
 def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:

@@ -6,7 +6,9 @@ over the group of the rank that runs it (``subgroups``: one collective node, SPM
 each rank reducing within its own group): ALL_REDUCE for ``tp_allreduce``; for sequence parallelism
 ALL_GATHER (``tp_all_gather``, ``tp_gather``) and REDUCE_SCATTER (``tp_reduce_scatter``) along the
 sequence dimension, while ``tp_scatter`` stays a local step (``tp_role="scatter"``: this rank's chunk).
-Ranks of one tensor-parallel group see the same batch, so the gradients are reduced over the data-parallel subgroups (one rank per tensor-parallel group, same position).
+Ranks of one tensor-parallel group see the same batch, so the gradients are reduced over the data-parallel
+subgroups (one rank per tensor-parallel group, same position); under ZeRO-1 each data-parallel subgroup
+shards the optimizer state of its (identical) buckets, which hold its position's pieces of the split layers.
 """
 from __future__ import annotations
 
@@ -50,10 +52,6 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     if "tp" not in dag.meta:
         return dag
     index, spec, stream = dag.meta["tp"]
-    if ctx.clip_grad_norm is not None:
-        raise PiperDirectiveError(index, {"shard_tensor": "clip_grad_norm"}, "options['clip_grad_norm'] with "
-                                  "shard_tensor is not supported yet (the norm would count replicated gradients "
-                                  "once per tensor-parallel rank)", "drop clip_grad_norm or shard_tensor")
     sizes = set()
     for n in list(dag.of_kind(Kind.COMPUTE)):
         if n.attr("tp_by") is None:
@@ -62,9 +60,10 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
                                           "but the directive's filter does not match its region",
                                           "widen the filter (or leave it empty) to cover every sharded layer")
             continue
-        if n.attr("zero", 0) and len(n.devices) > 1:
-            raise PiperDirectiveError(index, {"zero": n.attr("zero")}, "ZeRO with shard_tensor is not supported yet",
-                                      "use zero=0 on tensor-parallel regions")
+        if n.attr("zero", 0) > 1 and len(n.devices) > 1:
+            raise PiperDirectiveError(index, {"zero": n.attr("zero")}, f"ZeRO-{n.attr('zero')} with shard_tensor is "
+                                      f"not supported yet (region {n.name})", "use zero=1 (the optimizer state "
+                                      "sharded over each data-parallel subgroup) or zero=0 on tensor-parallel regions")
         groups = tp_groups(n.devices, spec, index)
         sizes.add(len(groups[0]))
         n = n.with_attrs(tp_groups=groups)

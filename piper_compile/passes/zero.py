@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from piper_compile.ir.dag import PARAM_PREFIX as PARAM, Kind, Node, TrainingDAG, param_fqn
 from piper_compile.passes.context import PassContext
+from piper_compile.passes.tensor_parallel import dp_subgroups
 
 def group_label(devices: tuple[int, ...]) -> str:
     return "r" + "_".join(map(str, devices))
@@ -30,6 +31,9 @@ class ZeroGroup:
     per_microbatch: bool = False  # reduce-scatter after every micro-batch (ZeRO-2/3)
     buckets: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (bucket name, fqns)
     whole: list[str] = field(default_factory=list)  # params of the group kept unsharded (tied)
+    # tensor parallel: the data-parallel subgroups, each sharding its own copy of the buckets (whose split
+    # layers are that position's pieces); None: the whole group shards them
+    subgroups: tuple[tuple[int, ...], ...] | None = None
 
     def bucket_of(self) -> dict[str, str]:
         return {f: b for b, fqns in self.buckets for f in fqns}
@@ -57,7 +61,7 @@ def zero_layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], Zer
 def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGroup]:
     by_region: dict[object, Node] = {}
     for n in dag.of_kind(Kind.COMPUTE):
-        if n.attr("zero", 0) and len(n.devices) > 1:
+        if n.attr("zero", 0) and _sharding_ranks(n) > 1:
             by_region.setdefault(ctx.segments[n.attr("segment")].region, n)
     if not by_region:
         return {}
@@ -67,14 +71,24 @@ def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGro
         n = by_region.get(seg.region)
         if n is None or seg.pass_ not in ("B", "BW") or not seg.grads:
             continue
+        tp = n.attr("tp_groups")
         g = groups.setdefault(n.devices, ZeroGroup(n.devices, n.attr("zero"), n.attr("gather_stream", "dp_gather"),
-                                                   n.attr("prefetch", 1), bool(n.attr("reduce_mb", False))))
-        fqns = [f for _, f in seg.grads if f not in dag.meta.get("ep_params", {})]  # expert shards stay local
+                                                   n.attr("prefetch", 1), bool(n.attr("reduce_mb", False)),
+                                                   subgroups=dp_subgroups(tp) if tp else None))
+        # expert shards stay local; sequence-parallel partial gradients are summed over the whole group
+        fqns = [f for _, f in seg.grads if f not in dag.meta.get("ep_params", {}) and f not in ctx.tp_partial]
         g.whole += [f for f in fqns if len(held.get(f, ())) > 1]
         sharded = tuple(f for f in fqns if len(held.get(f, ())) <= 1)
         if sharded:
             g.buckets.append((f"{group_label(n.devices)}.b{len(g.buckets)}", sharded))
     return groups
+
+
+def _sharding_ranks(n: Node) -> int:
+    """How many ranks share the ZeRO shards of ``n``'s region: its group, or under tensor parallelism a
+    data-parallel subgroup (a tensor-parallel group alone has no replica to shard with)."""
+    tp = n.attr("tp_groups")
+    return len(dp_subgroups(tp)[0]) if tp else len(n.devices)
 
 
 def _compute_order(dag: TrainingDAG) -> list[Node]:

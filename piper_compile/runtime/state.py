@@ -62,6 +62,38 @@ class LocalShard:
         n = self.param.shape[0]
         return slice(self.rank * n, (self.rank + 1) * n) if self.spec.dim == 0 and self.spec.parts == 1 else None
 
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of the whole parameter this is a piece of."""
+        shape = list(self.param.shape)
+        shape[self.spec.dim] *= self.spec.size
+        return tuple(shape)
+
+    def boxes(self, t: torch.Tensor) -> list[tuple[torch.Size, torch.Tensor]]:
+        """``t`` (the piece or a tensor of its shape, e.g. its optimizer state) as boxes of the full
+        tensor: (offsets in it, a view of ``t``); one per fused block (``colwise:N``: N)."""
+        return self.place((0,) * t.dim(), t)
+
+    def place(self, offsets: tuple[int, ...], view: torch.Tensor) -> list[tuple[torch.Size, torch.Tensor]]:
+        """A box of the piece (``offsets`` in the piece, ``view`` its contents) as boxes of the full
+        tensor, cut where it crosses from one fused block into the next (ZeRO-1 shards the flat piece)."""
+        d = self.spec.dim
+        lo, hi = offsets[d], offsets[d] + view.shape[d]
+        out = []
+        for off, start, n in self.spec.boxes(self.full_shape, self.rank):
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                at = list(offsets)
+                at[d] = off[d] + a - start
+                out.append((torch.Size(at), view.narrow(d, a - lo, b - a)))
+        return out
+
+    def put(self, full: torch.Tensor) -> None:
+        """Write this rank's piece into its place in ``full`` (a tensor of the full shape)."""
+        d = self.spec.dim
+        for off, view in self.boxes(self.param.detach()):
+            full.narrow(d, off[d], view.shape[d]).copy_(view)
+
     def gather(self, groups: Any) -> torch.Tensor:
         """The full parameter from every rank's piece (collective over ``group``)."""
         local = self.param.detach().contiguous()
@@ -137,7 +169,10 @@ class GradBuffers:
             if n.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER) and n.attr("purpose") == "grad":
                 fqns = list(n.attr("params"))
                 total = sum(params[f].numel() for f in fqns)
-                padded = -(-total // len(n.devices)) * len(n.devices) if n.attr("zero", 0) else total
+                # padded like the ZeRO shard bucket: to a multiple of the ranks sharding it (under tensor
+                # parallelism this rank's data-parallel subgroup)
+                size = len(next((g for g in n.attr("subgroups") or () if program.rank in g), n.devices))
+                padded = -(-total // size) * size if n.attr("zero", 0) else total
                 buckets[n.attr("bucket")] = (fqns, padded, n.kind is Kind.REDUCE_SCATTER)
             elif n.kind is Kind.COMPUTE:
                 others += [fqn for _, fqn in n.attr("grads") or ()]
@@ -226,6 +261,7 @@ class TrainState:
         self.steps: list[Any] = []  # the CompiledSteps (grad / no-grad variants) of this model
         self.device = params[0].device if params else torch.device("cpu")
         self.zero: ZeroState | None = None
+        self.zero_layout: Layout = {}
         self.named: dict[str, nn.Parameter] = {}
         self.to_release: set[str] = set()
         self.released: set[str] = set()  # parameters whose storage this rank gave back (other stages)
@@ -243,7 +279,8 @@ class TrainState:
         if not layout:
             return
         if self.zero is None:
-            self.zero = ZeroState.build(layout, named, rank)
+            self.zero_layout = layout
+            self._build_zero(rank)
             return
         have = {k: (b.fqns, b.devices, b.level, b.stream) for k, b in self.zero.buckets.items()}
         if have != layout:
@@ -270,6 +307,14 @@ class TrainState:
                                              device=full.device))
             self.shards[fqn] = LocalShard(local, spec, sorted(group).index(rank), group, stream, kind)
             self.shards_filled = False
+        if self.zero is not None and not self.zero.sharded:
+            self._build_zero(rank)
+
+    def _build_zero(self, rank: int) -> None:
+        """The ZeRO state from the layout, laid out over what this rank trains: its pieces of tensor-parallel
+        layers (ZeRO-1 with shard_tensor), else the parameters. Rebuilt while not sharded yet, as pieces
+        appear (the ZeRO layout is adopted first)."""
+        self.zero = ZeroState.build(self.zero_layout, {**self.named, **self.local_params()}, rank)
 
     @property
     def experts(self) -> dict[str, tuple[nn.Parameter, slice]]:
@@ -310,7 +355,7 @@ class TrainState:
                 self._rewire_optimizer(self.optimizer)
         if self.zero is None or self.zero.sharded:
             return
-        self.zero.shard_(self.named)
+        self.zero.shard_({**self.named, **self.local_params()})  # tensor-parallel pieces become views too
         if self.optimizer is not None:
             self._rewire_optimizer(self.optimizer)
 
@@ -391,15 +436,38 @@ class TrainState:
         return [f for f in fqns if f not in sharded]
 
     def local_grad_sq(self, node: Any, grads: GradBuffers, rank: int) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm: every gradient counted once in the
-        world (shards by their owner, whole gradients by the first rank of the group that wrote them)."""
+        """This rank's share of the squared global gradient norm: every gradient element counted once in
+        the world. ZeRO shards by their owner (under tensor parallelism see ``_shard_grad_sq``); expert
+        shards by every rank (each holds other experts); tensor-parallel pieces by the ranks of one
+        tensor-parallel group, the one holding the group's first rank (every rank of it holds another
+        piece; the other data-parallel replicas hold copies); every other whole gradient by the first rank
+        of the group that wrote it (data-parallel replicas, parameters replicated inside a tensor-parallel
+        group and sequence-parallel partial gradients all hold the same value once synchronised)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        experts = set(node.attr("ep_params") or ())  # every rank counts its own experts
+        experts = set(node.attr("ep_params") or ())
+        first = node.devices[0]
         for f in self._whole(node, sorted(node.attr("norm_params") or ())):
-            if rank == node.devices[0] or f in experts:
+            sh = self.shards.get(f)
+            counts = first in sh.group if sh is not None and sh.kind == "tp" else rank == first
+            if counts or f in experts:
                 total += grads.view(f).float().pow(2).sum()
-        for _, g in self._shard_grads(node, grads):
-            total += g.float().pow(2).sum()
+        for b in node.attr("shards") or ():
+            total += self._shard_grad_sq(b, grads, first)
+        return total
+
+    def _shard_grad_sq(self, name: str, grads: GradBuffers, first: int) -> torch.Tensor:
+        """The squared norm of what this rank's gradient shard of ZeRO bucket ``name`` counts: all of it,
+        unless under tensor parallelism (where each data-parallel subgroup shards its own copy of the
+        bucket) its subgroup is not the one holding the group's ``first`` rank: then only its pieces of
+        the split layers (the replicated parameters' elements are counted by that subgroup)."""
+        bk = self.zero.buckets[name]  # type: ignore[union-attr]
+        g = self.zero.shard_grad(name, grads.bucket(name) if bk.level == 1 else None)  # type: ignore[union-attr]
+        if first in bk.devices:
+            return g.float().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for f, _, start, n in bk.local_pieces():
+            if f in self.shards and self.shards[f].kind == "tp":
+                total += g[start:start + n].float().pow(2).sum()
         return total
 
     def apply_update(self, node: Any, grads: GradBuffers, joint: JointGraph,

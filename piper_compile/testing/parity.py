@@ -108,7 +108,7 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
             "collectives": dict(stats.collectives), "p2p": stats.p2p, "stats": stats,
             "memory": piper.memory_report(step) if not cfg.user_optimizer else None,
-            "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback)}
+            "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback), "tp_partial": sorted(cs.tp_partial)}
 
 
 def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
@@ -117,14 +117,14 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     opt = cfg.make_optimizer()(model.parameters())
     sched = cfg.make_scheduler(opt)
     dp = cfg.dp_degree(world)
-    losses = []
+    losses, norms = [], []
     for s in range(cfg.steps):
         batch = _global_batch(model, cfg, s, dp * cfg.local_batch)
         loss = model(*batch)
         opt.zero_grad()
         loss.backward()
-        if cfg.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+        if cfg.clip_grad_norm is not None:  # the norm before clipping (tests check that clipping happened)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)))
         opt.step()
         if sched is not None:
             sched.step()
@@ -134,7 +134,7 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
         with torch.no_grad():
             eval_loss = model(*_global_batch(model, cfg, cfg.steps, dp * cfg.local_batch)).item()
     return {"losses": losses, "params": [p.detach().cpu().clone() for p in model.parameters()],
-            "eval_loss": eval_loss}
+            "eval_loss": eval_loss, "grad_norms": norms}
 
 
 def assert_parity(results: list[dict[str, Any]], ref: dict[str, Any], rtol: float = 1e-5, atol: float = 1e-6,

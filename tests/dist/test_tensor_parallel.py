@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import piper_compile as piper
-from piper_compile.testing.parity import RunConfig, run_parity
+from piper_compile.testing.models import build_model
+from piper_compile.testing.parity import RunConfig, eager_reference, run_parity
 
 TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
 
@@ -44,6 +45,53 @@ def test_pp2_x_tp2_gpt_tied_embedding():
     res = run_parity(RunConfig(model="gpt", model_kwargs={"layers": 2}, stages=2, directives=d, local_batch=4, tp=2), 4)
     _collectives(res, 4 * 1 * 4, grad=False)
 
+
+# -- gradient clipping: the global norm counts each TP piece once (not once per data-parallel replica),
+# parameters replicated inside a TP group once (not once per TP rank), sequence-parallel partial gradients
+# once they are summed. SGD with momentum (stateful, so ZeRO shards its state too) because its update is
+# proportional to the clip coefficient: AdamW normalises the gradient's scale away, so a norm counting some
+# gradients twice moves its parameters by barely more than its summation-order tolerance.
+MAX_NORM = 0.1
+
+
+def _clipped_parity(directives: list, world: int) -> list[dict]:
+    cfg = RunConfig(model="gpt", model_kwargs={"layers": 2}, directives=directives, local_batch=4, tp=2,
+                    optimizer=("SGD", {"lr": 0.05, "momentum": 0.9}), clip_grad_norm=MAX_NORM)
+    norms = eager_reference(cfg, world)["grad_norms"]
+    assert len(norms) == cfg.steps and min(norms) > 2 * MAX_NORM, norms  # clipping happens at every step
+    res = run_parity(cfg, world)
+    assert all(r["collectives"]["gradnorm"] == 1 for r in res)
+    return res
+
+
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_tp2_gpt_grad_clipping(sp):
+    _clipped_parity([piper.split(2), piper.shard_tensor(TP, sequence_parallel=sp)], 2)
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_gpt_grad_clipping():
+    _clipped_parity([piper.split(2), piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
+def test_dp2_x_tp2_gpt_zero1_grad_clipping(sp):
+    """ZeRO-1 within each data-parallel subgroup ([0, 2] and [1, 3]): each shards the optimizer state of its
+    own copy of the buckets, which hold its position's pieces of the split layers; the gradient norm
+    counts the shards of the replicated parameters in one subgroup only. Sequence parallel: the norms'
+    and rowwise biases' partial gradients are summed over the whole group and updated whole instead."""
+    d = [piper.split(2), piper.replicate(zero=1, bucket_mb=0.01),
+         piper.shard_tensor(TP, devices=[[0, 1], [2, 3]], sequence_parallel=sp)]
+    model = build_model("gpt", 0, layers=2)
+    for r in _clipped_parity(d, 4):
+        assert bool(r["tp_partial"]) == sp
+        whole = sum(model.get_parameter(f).nbytes for f in r["tp_partial"])
+        m, p = r["memory"].measured, r["memory"].predicted
+        # the momentum of half of this rank's sharded parameters (its TP pieces and the replicated ones) and
+        # of all of those updated whole, up to one padding element per bucket
+        assert 0 <= 2 * m.optimizer - (m.params + whole) <= 2 * 4 * r["collectives"]["grad"], (m, whole)
+        assert (p.params, p.grads, p.optimizer) == (m.params, m.grads, m.optimizer), (p, m)
 
 
 # -- sequence parallel: per layer and micro-batch, forward reduce-scatter x2 + all-gather x2, backward the

@@ -39,6 +39,23 @@ def test_tp_shard_take_and_assemble_round_trip():
     assert torch.equal(q0, torch.cat([full[0:2], full[4:6], full[8:10]]))
 
 
+@pytest.mark.parametrize("spec", [ParamShard("w", 0, 3, 2), ParamShard("w", 0, 1, 3), ParamShard("w", 1, 1, 2)])
+def test_tp_shard_boxes_tile_the_full_tensor(spec):
+    """The boxes a checkpoint writes for each rank's piece: together every element of the full tensor once,
+    each box the matching slice of the piece."""
+    full = torch.arange(72.0).view(12, 6)
+    seen = torch.zeros_like(full)
+    for r in range(spec.size):
+        piece = spec.take(full, r)
+        boxes = spec.boxes(tuple(full.shape), r)
+        assert len(boxes) == spec.parts
+        for off, start, n in boxes:
+            target = full.narrow(spec.dim, off[spec.dim], n)
+            assert torch.equal(piece.narrow(spec.dim, start, n), target)
+            seen.narrow(spec.dim, off[spec.dim], n).add_(1)
+    assert torch.equal(seen, torch.ones_like(full))
+
+
 class _FixedHeads(nn.Module):
     """Attention whose head reshape fixes the head count (``view(b, t, heads, 4)``, not ``-1``)."""
 
@@ -80,15 +97,39 @@ def test_indivisible_features():
         _plan([piper.shard_tensor({"blocks.*.fc": "colwise"})], world=3)
 
 
-def test_tp_with_zero_is_rejected():
-    with pytest.raises(PiperDirectiveError, match="ZeRO with shard_tensor"):
-        _plan([piper.replicate(zero=1), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
+@pytest.mark.parametrize("zero", [2, 3])
+def test_tp_with_zero_2_and_3_is_rejected(zero):
+    with pytest.raises(PiperDirectiveError, match=f"ZeRO-{zero} with shard_tensor.*use zero=1"):
+        _plan([piper.replicate(zero=zero), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
               optimizer=torch.optim.AdamW)
 
 
-def test_tp_with_clipping_is_rejected():
-    with pytest.raises(PiperDirectiveError, match="clip_grad_norm"):
-        _plan([piper.shard_tensor(TP)], optimizer=torch.optim.AdamW, clip_grad_norm=1.0)
+def test_tp_zero1_shards_within_each_data_parallel_subgroup():
+    """DP2 x TP2 ZeRO-1: buckets reduced over the data-parallel subgroups [0, 2] and [1, 3], and each
+    bucket's updated shards all-gathered within each of them (one node per subgroup)."""
+    p = _plan([piper.replicate(zero=1, bucket_mb=0.01), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
+              optimizer=torch.optim.AdamW)
+    ars = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "grad"]
+    assert ars and all(n.attr("zero") == 1 and n.attr("subgroups") == ((0, 2), (1, 3)) for n in ars)
+    ags = [n for n in p.dag.of_kind(Kind.ALL_GATHER) if n.attr("purpose") == "param"]
+    assert sorted(n.devices for n in ags) == sorted([(0, 2), (1, 3)] * len(ars))
+    assert {n.attr("bucket") for n in ags} == {n.attr("bucket") for n in ars}
+
+
+def test_tp_zero1_without_data_parallel_replicas_shards_nothing():
+    """TP2 alone: every data-parallel subgroup is one rank, so zero=1 has no one to shard with."""
+    p = _plan([piper.replicate(zero=1), piper.shard_tensor(TP)], optimizer=torch.optim.AdamW)
+    assert not p.dag.of_kind(Kind.ALL_GATHER) and not p.dag.meta["zero"]
+    assert not next(iter(p.dag.of_kind(Kind.UPDATE))).attr("shards")
+
+
+def test_tp_with_clipping_plans_one_world_norm_all_reduce():
+    p = _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
+              optimizer=torch.optim.AdamW, clip_grad_norm=1.0)
+    norm = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "gradnorm"]
+    assert len(norm) == 1 and norm[0].devices == (0, 1, 2, 3)
+    upd = next(iter(p.dag.of_kind(Kind.UPDATE)))
+    assert (norm[0].name, upd.name) in p.dag.order_edges  # every rank clips before its update
 
 
 def test_bad_sharding_kind_and_groups():
