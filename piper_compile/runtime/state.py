@@ -45,6 +45,21 @@ def keep_host_heap(mmap_bytes: int = 32 << 20, trim_bytes: int = 64 << 20) -> bo
         return False
 
 
+def build_optimizer(factory: Callable[..., torch.optim.Optimizer], params: list[nn.Parameter]) -> Any:
+    """``factory(params)``, asking for the fused implementation (one kernel per step over each tensor
+    instead of a dozen passes; AdamW over a 3.5M-parameter GPT on one CPU thread: ~10 ms instead of
+    ~22 ms for the default per-tensor loop and ~40 ms for foreach) when the factory does not choose an
+    implementation itself and the optimizer accepts ``fused=True`` for these parameters; otherwise, or if
+    the user set ``fused``/``foreach`` (e.g. ``functools.partial(AdamW, foreach=True)``), as given."""
+    chosen = isinstance(factory, functools.partial) and bool({"fused", "foreach"} & set(factory.keywords))
+    if not chosen and os.environ.get("PIPER_FUSED_OPTIMIZER", "1") != "0":
+        try:
+            return factory(params, fused=True)
+        except (TypeError, RuntimeError, ValueError):  # no fused kernel for this optimizer/device/dtype
+            pass
+    return factory(params)
+
+
 @dataclass
 class LocalShard:
     """This rank's piece of a parameter split across ``group`` (``kind``: "ep" experts, "tp" tensor parallel)."""
@@ -401,7 +416,7 @@ class TrainState:
 
     def get_optimizer(self) -> torch.optim.Optimizer | None:
         if self.optimizer is None and self.factory is not None:
-            opt = self.factory(self._optimizer_params())
+            opt = build_optimizer(self.factory, self._optimizer_params())
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"piper: options['optimizer'] must return a torch.optim.Optimizer, got "
                                 f"{type(opt).__name__}; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")

@@ -113,3 +113,32 @@ def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch):
         loss = step(x, y)
     torch.testing.assert_close(loss.detach(), ref(x, y).detach(), rtol=1e-6, atol=1e-6)
     assert all(c.fallback for c in piper.compiled_steps(step)[0].compiled.values())
+
+
+def test_optimizer_uses_the_fused_implementation_unless_the_user_chose_one():
+    from piper_compile.runtime.state import build_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(4, 4))]
+    assert build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-3), params).defaults["fused"] is True
+    chosen = build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True), params)
+    assert chosen.defaults["foreach"] is True and not chosen.defaults["fused"]
+    assert not build_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-3), params).defaults["fused"]
+    assert isinstance(build_optimizer(functools.partial(torch.optim.RMSprop, lr=1e-3), params), torch.optim.RMSprop)
+    doubles = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))]  # fused supports these too
+    assert build_optimizer(functools.partial(torch.optim.Adam, lr=1e-3), doubles).defaults["fused"] is True
+
+
+def test_fused_adamw_training_matches_eager_per_tensor_adamw():
+    model = build_model("mlp")
+    ref = copy.deepcopy(model)
+    step = _compile(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    assert piper.optimizer(step).defaults["fused"] is True
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)  # the default: a loop over tensors
+    for s in range(4):
+        x, y = model.make_batch(8, torch.Generator().manual_seed(s))
+        step(x, y)
+        ref_opt.zero_grad()
+        ref(x, y).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
