@@ -69,7 +69,7 @@ def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGro
     groups: dict[tuple[int, ...], ZeroGroup] = {}
     for seg in ctx.segments.values():
         n = by_region.get(seg.region)
-        if n is None or seg.pass_ not in ("B", "BW") or not seg.grads:
+        if n is None or seg.pass_ not in ("B", "BI", "BW") or not seg.grads:  # BI: e.g. layer-norm weight grads
             continue
         tp = n.attr("tp_groups")
         g = groups.setdefault(n.devices, ZeroGroup(n.devices, n.attr("zero"), n.attr("gather_stream", "dp_gather"),

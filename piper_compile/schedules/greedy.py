@@ -8,9 +8,10 @@ construction (every step starts after its inputs exist), so the plans verify.
 
 * ZBV: backward split into BI and BW; priority BI > F > BW -- input gradients are on the critical path,
   weight gradients fill what would be bubbles.
-* DualPipeV: whenever a forward of one micro-batch and a backward of another are both ready on a rank,
-  they form one overlap slot (an ``order`` group of two filters), so the communication of one runs
-  while the other computes; otherwise backward first.
+* DualPipeV with fewer than two micro-batches per stage (with more, ``dualpipe.py``'s phases):
+  whenever a forward of one micro-batch and a backward of another are both ready on a rank, they form
+  one overlap slot (an ``order`` group of two filters), so the communication of one runs while the
+  other computes; otherwise backward first.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from piper_compile.schedules.builders import _check, _fail, v_shape
+from piper_compile.schedules.dualpipe import dualpipe_v_groups
 
 Step = tuple[str, int, int]
 COST = {"F": 1, "B": 2, "BI": 1, "BW": 1}
@@ -123,7 +125,12 @@ def zbv(ranks: int, microbatches: int, tag: str = "PP", mb_tag: str = "MB",
 def dualpipe_v(ranks: int, microbatches: int, tag: str = "PP", mb_tag: str = "MB",
                groups: Sequence[Sequence[int]] | None = None) -> list[dict[str, Any]]:
     """DualPipeV (V placement, forward of one micro-batch overlapped with backward of another in
-    steady state). Returns the placement and order directives for ``2 * ranks`` stages."""
+    steady state). Returns the placement and order directives for ``2 * ranks`` stages. With at least
+    two micro-batches per stage (``2 * ranks``) it is DeepSeek's phase structure (``dualpipe.py``);
+    with fewer, list scheduling that pairs any ready forward with a ready backward."""
     _check_v("dualpipe_v", ranks, microbatches)
-    return [*v_shape(ranks, tag, groups), *_order_directives(list_schedule(ranks, microbatches, False, True), tag,
-                                                             mb_tag)]
+    if microbatches >= 2 * ranks:
+        order = dualpipe_v_groups(ranks, microbatches)
+    else:
+        order = list_schedule(ranks, microbatches, False, True)
+    return [*v_shape(ranks, tag, groups), *_order_directives(order, tag, mb_tag)]

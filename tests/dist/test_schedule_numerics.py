@@ -60,3 +60,13 @@ def test_zbv_with_inductor_codegen():
     cfg.codegen = "inductor"
     res = run_parity(cfg, 2, rtol=1e-4, atol=1e-5)
     assert [r["fallbacks"] for r in res] == [[], []]  # every segment compiled by Inductor
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zbv_x_dp2_zero(zero):
+    """PP2 x DP2 (4 ranks) under ZBV with ZeRO: weight gradients computed in a BI segment (layer norms,
+    whose one backward op yields the input and the weight gradients) are reduced and sharded like the
+    BW ones (they once were left out of every ZeRO bucket, so each replica kept its own)."""
+    groups = [[0, 1], [2, 3]]
+    res = run_parity(_gpt(4, [piper.split(4), *S.zbv(2, 4, groups=groups), piper.replicate({"PP": "*"}, zero=zero)]), 4)
+    assert all(r["collectives"]["grad"] >= 1 for r in res)

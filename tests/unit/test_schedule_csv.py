@@ -80,3 +80,19 @@ def test_bad_cells_are_clear_errors():
         S.read_rows([["0F0", "0X1"]])
     with pytest.raises(PiperDirectiveError, match="stage 0 appears on rank 0 and on rank 1"):
         S.read_rows([["0F0"], ["0B0"]])
+
+
+@pytest.mark.parametrize("ranks,m", [(2, 4), (2, 8), (3, 6), (3, 9), (4, 8), (4, 11)])
+def test_dualpipe_v_builder_is_torchs_dualpipe_v(ranks, m, fake_world, tmp_path):
+    """With at least two micro-batches per stage, ``dualpipe_v`` builds exactly the per-rank order of
+    torch's ScheduleDualPipeV (DeepSeek's phases), overlap slots and zero-bubble splits included."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    fake_world(ranks)
+    stages = [PipelineStage(torch.nn.Linear(4, 4), i, 2 * ranks, torch.device("cpu")) for i in (0, 2 * ranks - 1)]
+    ts.ScheduleDualPipeV(stages, n_microbatches=m, loss_fn=lambda out, target: out.sum())._dump_csv(
+        str(tmp_path / "torch.csv"))
+    dist.destroy_process_group()
+    theirs = [d for d in S.read_csv(tmp_path / "torch.csv") if d["op"] == "order"]
+    assert [d for d in S.dualpipe_v(ranks, m) if d["op"] == "order"] == theirs
