@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
-                    eager_dp_step, global_batches, load_note, local_batch, print_ratios, print_table,
-                    timed_loop, to_global_mean)
+                    eager_dp_step, global_batches, load_note, local_batch, peer_adamw, print_ratios,
+                    print_table, timed_loop, to_global_mean)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
 
@@ -53,7 +53,7 @@ def ddp_worker(rank: int, world: int, spec: Spec, compiled: bool) -> RankResult:
     model = build_gpt(spec)
     batches = global_batches(model, spec, world * spec.batch)
     ddp = DDP(model)  # broadcasts rank 0's weights
-    opt = torch.optim.AdamW(ddp.parameters(), lr=spec.lr)
+    opt = peer_adamw(ddp.parameters(), spec.lr)
     fwd = torch.compile(ddp) if compiled else ddp
 
     return to_global_mean(timed_loop(eager_dp_step(fwd, opt, batches, rank, spec.batch), spec), world)

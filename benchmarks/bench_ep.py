@@ -50,7 +50,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, compare_losses, eager_dp_step,  # noqa: E402
-                    global_batches, load_note, local_batch, piper_revision, timed_loop, to_global_mean)
+                    global_batches, load_note, local_batch, peer_adamw, piper_revision, timed_loop,
+                    to_global_mean)
 from zero_common import (fmt_ranks, piper_extra, print_report, short_error, state_breakdown,  # noqa: E402
                          tensor_peak)
 
@@ -187,7 +188,7 @@ def reference_setup(rank: int, world: int, spec: Spec) -> tuple[nn.Module, MoEGP
     experts = to_expert_parallel(model, rank, world, ep_group)
     DDP._set_params_and_buffers_to_ignore_for_model(model, experts)
     net = DDP(model, gradient_as_bucket_view=True)  # dense weights: broadcast from rank 0, gradients averaged
-    opt = torch.optim.AdamW(net.parameters(), lr=spec.lr)
+    opt = peer_adamw(net.parameters(), spec.lr)
     return net, model, opt, experts
 
 

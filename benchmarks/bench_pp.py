@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
-                    global_batches, load_note, print_ratios, print_table, timed_loop)
+                    global_batches, load_note, peer_adamw, print_ratios, print_table, timed_loop)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
 from piper_compile.testing.models import GPT  # noqa: E402
@@ -103,7 +103,7 @@ def pipelining_worker(rank: int, world: int, spec: Spec, schedule: str, microbat
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = cls(stage, n_microbatches=microbatches, loss_fn=_ce)
-    opt = torch.optim.AdamW(module.parameters(), lr=spec.lr)
+    opt = peer_adamw(module.parameters(), spec.lr)
     first, last = rank == 0, rank == world - 1
 
     def step(i: int) -> torch.Tensor | None:

@@ -60,7 +60,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pp import StageModule, _ce, pipelining_step  # noqa: E402
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
-                    global_batches, load_note, peak_rss_mib, timed_loop)
+                    global_batches, load_note, peak_rss_mib, peer_adamw, timed_loop)
 from zero_common import (block_mib, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
                          state_breakdown, tensor_peak)
 
@@ -160,7 +160,7 @@ def pipelining_worker(rank: int, world: int, spec: Spec, m: int, sizes: list[int
     for block in module.blocks:
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-    opt = torch.optim.AdamW(module.parameters(), lr=spec.lr)
+    opt = peer_adamw(module.parameters(), spec.lr)
     first, last = stage_idx == 0, stage_idx == STAGES - 1
     pp_group = mesh.get_group("pp")
 

@@ -25,8 +25,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pp import StageModule, _ce  # noqa: E402
-from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, global_batches,  # noqa: E402
-                    load_note, print_ratios, print_table, timed_loop)
+from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, global_batches, load_note,  # noqa: E402
+                    peer_adamw, print_ratios, print_table, timed_loop)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
 
@@ -93,7 +93,7 @@ def pipelining_worker(rank: int, world: int, spec: Spec, kind: str, microbatches
     stages = [PipelineStage(m, s, n, torch.device("cpu")) for m, s in zip(modules, ids)]
     sched = getattr(ts, PEERS[kind])(stages, n_microbatches=microbatches, loss_fn=_ce)
     params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=spec.lr)
+    opt = peer_adamw(params, spec.lr)
     first, last = 0 in ids, n - 1 in ids
 
     def step(i: int) -> torch.Tensor | None:

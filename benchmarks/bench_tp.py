@@ -52,7 +52,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
-                    global_batches, load_note, local_batch, timed_loop, to_global_mean)
+                    global_batches, load_note, local_batch, peer_adamw, timed_loop, to_global_mean)
 from zero_common import fmt_ranks, piper_extra, print_report, short_error, tensor_peak  # noqa: E402
 
 from piper_compile.testing.launch import run_local  # noqa: E402
@@ -183,7 +183,7 @@ def peer_worker(rank: int, world: int, spec: Spec, sp: bool, compiled: bool, mem
     parallelize_module(model, mesh["tp"], tp_plan(sp, spec.model["layers"]))
     assert model.head.weight is model.wte.weight, "the tied LM head must stay tied"
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=spec.lr)
+    opt = peer_adamw(params, spec.lr)
     fwd = torch.compile(model) if compiled else model
     dp_group = mesh["dp"].get_group() if dp > 1 else None
 

@@ -62,7 +62,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, build_gpt, compare_losses,  # noqa: E402
-                    eager_dp_step, global_batches, load_note, local_batch, timed_loop, to_global_mean)
+                    eager_dp_step, global_batches, load_note, local_batch, peer_adamw, peer_fused_kwargs,
+                    timed_loop, to_global_mean)
 from zero_common import (block_mib, print_report, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
                          state_breakdown, tensor_peak)
 
@@ -102,14 +103,15 @@ def piper_worker(rank: int, world: int, spec: Spec, zero: int, bucket_mb: float,
 def peer_worker(rank: int, world: int, spec: Spec, zero: int, mem: bool) -> RankResult:
     model = build_gpt(spec)
     batches = global_batches(model, spec, world * spec.batch)
-    adamw = functools.partial(torch.optim.AdamW, lr=spec.lr)
+    adamw = functools.partial(peer_adamw, lr=spec.lr)
     if zero <= 1:
         net: torch.nn.Module = DDP(model, gradient_as_bucket_view=True)  # broadcasts rank 0's weights
         if zero == 0:
             opt: Any = adamw(net.parameters())
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=spec.lr)
+            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=spec.lr,
+                                          **peer_fused_kwargs())
         set_to_none = False
     else:
         from torch.distributed.device_mesh import init_device_mesh

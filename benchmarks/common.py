@@ -18,6 +18,7 @@ Ratios are ``piper / peer`` on the median step time: below 1.00 piper is faster,
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import statistics
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from piper_compile.runtime.state import build_optimizer
 from piper_compile.testing.models import GPT, GPTConfig
 
 
@@ -72,7 +74,8 @@ class Spec:
     def describe(self) -> str:
         m = self.model
         return (f"GPT dim={m['dim']} layers={m['layers']} heads={m['heads']} seq={m['seq']} vocab={m['vocab']}, "
-                f"local batch {self.batch}, AdamW lr={self.lr}, {self.warmup} warm-up + {self.steps} timed steps, "
+                f"local batch {self.batch}, AdamW lr={self.lr} ({'fused' if peer_fused_kwargs() else 'default'} in "
+                f"piper and peers), {self.warmup} warm-up + {self.steps} timed steps, "
                 f"piper codegen={self.codegen}, torch {torch.__version__}, piper {piper_revision()}, 1 thread/rank")
 
 
@@ -90,6 +93,18 @@ def piper_revision() -> str:
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return f"at {root} (not a git checkout)"
+
+
+def peer_adamw(params: Any, lr: float) -> torch.optim.Optimizer:
+    """The peers' AdamW, in the implementation piper picks for its own optimizer (``build_optimizer``: fused
+    unless ``PIPER_FUSED_OPTIMIZER=0``), so a ratio compares the systems and not two AdamW kernels."""
+    return build_optimizer(functools.partial(torch.optim.AdamW, lr=lr), list(params))
+
+
+def peer_fused_kwargs() -> dict[str, bool]:
+    """``fused=True`` for an optimizer class the peer constructs itself (``ZeroRedundancyOptimizer``), as
+    ``peer_adamw`` chooses."""
+    return {} if os.environ.get("PIPER_FUSED_OPTIMIZER", "1") == "0" else {"fused": True}
 
 
 def build_gpt(spec: Spec, untie: bool = False) -> GPT:

@@ -35,7 +35,7 @@ from torch import nn
 
 from bench_ep import EXPERT_WEIGHTS, EPMoE
 from bench_pp import StageModule, _ce
-from common import RankResult, Spec, global_batches, timed_loop
+from common import RankResult, Spec, global_batches, peer_adamw, timed_loop
 
 from piper_compile.testing.models import MoEGPT, build_model
 
@@ -151,7 +151,7 @@ def worker(rank: int, world: int, spec: Spec, groups: list[list[int]], kind: str
     """Time ``torch.distributed.pipelining``'s ``kind`` schedule on this layout; the losses are the global mean
     per step on the group holding the last stage, nan elsewhere."""
     sched, dense, expert, ep_group, ids, model = build(rank, spec, groups, kind, microbatches, experts)
-    opt = torch.optim.AdamW([*dense, *expert], lr=spec.lr)
+    opt = peer_adamw([*dense, *expert], spec.lr)
     batches = global_batches(model, spec, len(groups[0]) * spec.batch)
     _, j = position(rank, groups)
     first, last = 0 in ids, 2 * len(groups) - 1 in ids
