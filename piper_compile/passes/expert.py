@@ -3,8 +3,9 @@
 ``shard`` marks the MoE expert steps (segments that are one ``piper::moe_experts`` op, or its backward)
 of the matched regions. Lowering replaces each marked step by a chain on the expert-parallel group::
 
-    forward:  DISPATCH (A2A: counts, then tokens) -> EXPERTS (local) -> COMBINE (A2A back) -> UNPERMUTE
-    backward: DISPATCH (A2A of output grads)      -> EXPERTS (local backward) -> COMBINE -> UNPERMUTE
+    forward:  COUNTS (A2A of per-expert counts, its own group) -> DISPATCH (A2A of the rows, sized by
+              the counts) -> EXPERTS (local) -> COMBINE (A2A back) -> UNPERMUTE
+    backward: DISPATCH (A2A of output grads) -> EXPERTS (local backward) -> COMBINE -> UNPERMUTE
 
 The backward reuses the forward's routing (``route`` value: slot order, split sizes, counts) and the
 tokens it received (``recv``), as an autograd all-to-all would save them. Expert weights are held as
@@ -73,14 +74,16 @@ def _group(n: Node) -> tuple[int, ...]:
 def _chain(dag: TrainingDAG, n: Node, group: tuple[int, ...], steps: list[tuple[str, Kind, tuple[str, ...],
            tuple[str, ...], dict[str, object]]]) -> None:
     stream = n.attr("ep_stream") or "ep"
+    # the counts exchange has a group of its own: it never queues behind the rows another chain has in flight
+    streams = {"counts": f"{stream}_counts"}
     base = {k: v for k, v in n.attrs if k not in EP_ATTRS + ("grads", "boundary")}  # keeps the op's segment
     names = []
     for role, kind, ins, outs, extra in steps:
         attrs = {**base, "ep_role": role, "ep_group": group, **extra}
         if kind is Kind.ALL_TO_ALL:
             attrs = {"ep_role": role, "ep_group": group, "mb": n.attr("mb", 0), "purpose": "ep", **extra}
-        node = Node(f"{n.name}.{role}", kind, n.tags, group, stream if kind.is_comm else n.stream, ins, outs,
-                    tuple(sorted(attrs.items())))
+        node = Node(f"{n.name}.{role}", kind, n.tags, group, streams.get(role, stream) if kind.is_comm else n.stream,
+                    ins, outs, tuple(sorted(attrs.items())))
         dag.add(node)
         if names:
             dag.add_order(names[-1], node.name)
@@ -117,9 +120,11 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
             info["shape"], info["dtype"] = fwd_seg.out_meta[fwd_seg.outputs[0]]
         if n.attr("boundary") == "moe_fwd":
             x, idx, y = args[0], args[1], n.outputs[0]
-            recv, route, yrecv, yback = (_derived(y, w) for w in ("recv", "route", "yrecv", "yback"))
+            recv, route, yrecv, yback, counts = (_derived(y, w) for w in ("recv", "route", "yrecv", "yback",
+                                                                           "counts"))
             _chain(dag, n, group, [
-                ("dispatch", Kind.ALL_TO_ALL, (x, idx), (recv, route), info),
+                ("counts", Kind.ALL_TO_ALL, (idx,), (counts,), {"experts": experts}),  # no rows: latency only
+                ("dispatch", Kind.ALL_TO_ALL, (x, idx, counts), (recv, route), info),
                 ("experts", Kind.COMPUTE, (recv, route) + weights, (yrecv,), info),
                 ("combine", Kind.ALL_TO_ALL, (yrecv, route), (yback,), info),
                 ("unpermute", Kind.COMPUTE, (yback, route), (y,), info),

@@ -323,9 +323,7 @@ class Executor:
                 with torch.no_grad():
                     work, outs, sending = expert.all_to_all(n, [get(v) for v in n.inputs],
                                                             self.groups.get(n.stream, n.devices), len(n.devices))
-                self._count("ep")
-                if n.attr("ep_role") == "dispatch" and n.tag("PASS") == "F":
-                    self._count("ep_counts")
+                self._count("ep_counts" if n.attr("ep_role") == "counts" else "ep")
                 env.update(zip(n.outputs, outs))
                 live += sum(_nbytes(t) for t in outs)
                 self._sending[n.name] = sending  # alive until the all-to-all completes

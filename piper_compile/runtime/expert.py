@@ -38,15 +38,30 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits:
     return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group, async_op=True)
 
 
-def dispatch_route(x: torch.Tensor, idx: torch.Tensor, experts: int, group: Any, size: int) -> tuple[Route, torch.Tensor]:
-    """Sort slots by expert and exchange the counts (blocking: the split sizes must be known on the
-    host). Returns the route and the rows to send."""
-    n, k = idx.shape
+@dataclass
+class Counts:
+    """A forward COUNTS step's result: the slot order by expert, this rank's per-expert counts and (once
+    the all-to-all completes) how many rows each rank sends to each of this rank's experts."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    recv_counts: torch.Tensor
+
+
+def exchange_counts(idx: torch.Tensor, experts: int, group: Any) -> tuple[Any, Counts]:
+    """Sort the slots by expert and issue the exchange of the per-expert counts (equal splits: ``L``
+    experts per rank). The DISPATCH after it waits for the work and then knows its split sizes."""
     order, counts = sort_slots(idx, experts)
-    local = experts // size
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # equal splits: L experts per rank
-    per_rank = recv_counts.view(size, local)  # [source rank, local expert]
+    work = dist.all_to_all_single(recv_counts, counts, group=group, async_op=True)
+    return work, Counts(order, counts, recv_counts)
+
+
+def dispatch_route(x: torch.Tensor, idx: torch.Tensor, c: Counts, experts: int, size: int) -> tuple[Route, torch.Tensor]:
+    """The route from the exchanged counts ``c`` (complete), and the rows to send."""
+    n, k = idx.shape
+    order, counts, local = c.order, c.counts, experts // size
+    per_rank = c.recv_counts.view(size, local)  # [source rank, local expert]
     expert_of_row = torch.arange(local, device=idx.device).repeat(size).repeat_interleave(per_rank.reshape(-1))
     local_perm = torch.sort(expert_of_row, stable=True).indices
     route = Route(order=order, order_inv=torch.argsort(order), tokens=n, top_k=k,
@@ -62,11 +77,14 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def all_to_all(node: Node, inputs: list[Any], group: Any, size: int) -> tuple[Any, list[Any], torch.Tensor]:
-    """Issue the all-to-all of a dispatch or combine step: (work, outputs, the tensor the work sends)."""
+    """Issue the all-to-all of a counts, dispatch or combine step: (work, outputs, the tensor the work sends)."""
     role = node.attr("ep_role")
+    if role == "counts":
+        work, c = exchange_counts(inputs[0], node.attr("experts"), group)
+        return work, [c], c.counts
     if role == "dispatch" and node.tag("PASS") == "F":
-        x, idx = inputs
-        route, send = dispatch_route(x, idx, node.attr("experts"), group, size)
+        x, idx, c = inputs
+        route, send = dispatch_route(x, idx, c, node.attr("experts"), size)
         recv = send.new_empty(sum(route.recv_splits), send.shape[-1])
         return _a2a(recv, send, route.recv_splits, route.send_splits, group), [recv, route], send
     t, route = inputs
