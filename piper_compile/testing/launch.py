@@ -2,9 +2,14 @@
 
 Used by the example (when not under torchrun), the dist tests and the benchmarks. A child that fails
 sends its traceback; a child that hangs past ``timeout_s`` is killed and reported.
+
+``PIPER_RANK_NETNS=ns0,ns1,...`` (set by ``benchmarks/emulated_link.py --per-rank``) puts rank r in network
+namespace ``ns<r>`` before it connects, so each rank talks over a link of its own (interface
+``PIPER_RANK_IFNAME``, rank 0 reachable at the first address of ``PIPER_RANK_ADDRS``).
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import socket
@@ -23,6 +28,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_rank_netns(rank: int, world: int) -> str:
+    """Move this process into rank ``rank``'s network namespace when ``PIPER_RANK_NETNS`` names one per
+    rank; returns the address rank 0 listens on (``127.0.0.1`` when the variable is unset)."""
+    names = [n for n in os.environ.get("PIPER_RANK_NETNS", "").split(",") if n]
+    if not names:
+        return "127.0.0.1"
+    addrs = os.environ.get("PIPER_RANK_ADDRS", "").split(",")
+    if len(names) < world or len(addrs) < world:
+        raise RuntimeError(f"piper: PIPER_RANK_NETNS/PIPER_RANK_ADDRS name {len(names)}/{len(addrs)} ranks but "
+                           f"{world} were launched; create one namespace per rank (emulated_link.py --per-rank "
+                           f"{world})")
+    fd = os.open(f"/var/run/netns/{names[rank]}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"piper: setns into network namespace {names[rank]!r} failed")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("PIPER_RANK_IFNAME", "pl0")
+    return addrs[0]
+
+
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, threads: int,
            backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -30,7 +59,8 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        host = enter_rank_netns(rank, world)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         result = fn(rank, world, *args)
         buf = io.BytesIO()  # plain bytes: tensors in shared memory would die with this process
