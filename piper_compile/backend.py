@@ -33,7 +33,7 @@ from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
 from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.zero import layout_of
 
-_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat"}
+_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat", "overlap_streams"}
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Options:
     timeout_s: float
     clip_grad_norm: float | None = None
     remat: bool = True  # recompute cheap activations in the backward instead of keeping them (capture/remat.py)
+    overlap_streams: bool = True  # CUDA: an overlap slot's two compute steps on two streams (runtime/executor.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -77,12 +78,16 @@ class Options:
         if not isinstance(remat, bool):
             raise PiperError(f"piper: options['remat'] must be True (recompute cheap activations such as GELU and "
                              f"layer-norm outputs in the backward instead of keeping them) or False, got {remat!r}")
+        overlap = options.get("overlap_streams", os.environ.get("PIPER_OVERLAP_STREAMS", "1") != "0")
+        if not isinstance(overlap, bool):
+            raise PiperError(f"piper: options['overlap_streams'] must be True (on CUDA, run the two compute steps "
+                             f"of an overlap slot on two streams) or False (one stream), got {overlap!r}")
         directives = parse_directives(options.get("directives"))
         for d in directives:
             if isinstance(d, Replicate) and d.zero > 0 and opt is None:
                 raise d.error(f"zero={d.zero} shards optimizer state, so piper must run the optimizer",
                               "pass options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
-        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip), remat)
+        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip), remat, overlap)
 
 
 # One TrainState per model, found through any of its parameters (shared by the grad/no-grad programs).
@@ -253,7 +258,7 @@ class CompiledStep:
         dp = len(dag.meta["loss_group"]) // dag.meta.get("tp_size", 1)  # ranks of a TP group share a batch
         executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
                             dp, dag.meta["loss_group"], self.options.timeout_s,
-                            forward_only)
+                            forward_only, self.options.overlap_streams)
         self.plans[forward_only] = Plan(dag, programs, executor)
         return self.plans[forward_only]
 

@@ -70,12 +70,40 @@ def overlap_partners(program: Program) -> dict[int, int]:
     return out
 
 
+class SideStream:
+    """CUDA: the second compute stream of an overlap slot. The partner step of a pair (see
+    ``overlap_partners``) is launched on it after the main stream's work so far (``fork``), waits for its
+    own communication there only, and the main stream waits for it at the partner's program position
+    (``join``): a late input of one step then delays that step alone, not the other on the GPU."""
+
+    async_waits = True  # a wait made on the stream does not block the host (NCCL work)
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+
+    def fork(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+    def context(self) -> Any:
+        return torch.cuda.stream(self.stream)
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+def side_stream_for(device: torch.device, enabled: bool) -> SideStream | None:
+    """The overlap slots' second stream: CUDA only (on CPU one host thread computes; the communication
+    of one step is in flight while the other runs)."""
+    return SideStream(device) if enabled and device.type == "cuda" else None
+
+
 class Executor:
     """Runs a rank's program for one step at a time."""
 
     def __init__(self, program: Program, joint: JointGraph, segments: dict[str, Callable[[list[Any]], list[Any]]],
                  state: TrainState, groups: GroupRegistry | None, microbatches: int, dp_degree: int,
-                 loss_group: tuple[int, ...], timeout_s: float, forward_only: bool) -> None:
+                 loss_group: tuple[int, ...], timeout_s: float, forward_only: bool,
+                 overlap_streams: bool = True) -> None:
         self.program = program
         self.joint = joint
         self.segments = segments
@@ -101,6 +129,7 @@ class Executor:
         norm = next((i.node for i in program.instrs if i.node.attr("purpose") == "gradnorm"), None)
         self._max_norm = float(norm.attr("max_norm")) if norm is not None else 0.0  # options["clip_grad_norm"]
         self._partner = overlap_partners(program)
+        self._side = side_stream_for(state.device, overlap_streams) if self._partner else None
         self._update = program.update_node()
 
     # -- externals -------------------------------------------------------------------------------
@@ -149,6 +178,35 @@ class Executor:
             if item is not None and item[0] is not None and not item[0].is_completed():
                 return True
         return False
+
+    def _beside_ok(self, j: int, pending: dict[str, tuple[Any, Instr, int]]) -> bool:
+        """Whether partner ``j`` can run on the side stream now: none of its waits has host work to do once
+        complete (a sequence-parallel result stored on completion), which the side stream cannot wait for;
+        and where a wait would block the host, its input has already arrived (waiting on the host for the
+        partner's input before this step sends its output could deadlock with the peer)."""
+        assert self._side is not None
+        partner = self.program.instrs[j]
+        if any(w in self._finish for w in partner.waits):
+            return False
+        return self._side.async_waits or not self._blocked(partner, pending)
+
+    def _run_beside(self, j: int, pending: dict[str, tuple[Any, Instr, int]],
+                    compute: Callable[[Instr, bool], None]) -> None:
+        """Launch partner ``j`` on the side stream. Its waits are made there without retiring them: the
+        main stream still waits for each where its own consumers are (the side stream's waits do not
+        order the main stream)."""
+        assert self._side is not None
+        partner = self.program.instrs[j]
+        self._side.fork()
+        with self._side.context():
+            for w in partner.waits:
+                item = pending.get(w)
+                if item is not None and item[0] is not None:
+                    self._block(*item)
+            self.rec.begin()
+            compute(partner, False)  # its frees wait for its own position (after the join)
+            self.rec.end(j, partner, None)
+        self.stats.reordered += 1
 
     def _wait(self, pending: dict[str, tuple[Any, Instr, int]], name: str) -> None:
         item = pending.pop(name, None)
@@ -258,11 +316,17 @@ class Executor:
         for pos, ins in enumerate(self.program.instrs):
             n = ins.node
             if pos in ran_early:  # an overlap partner that ran while its predecessor waited
+                if self._side is not None:
+                    self._side.join()
                 for v in ins.frees:
                     free(v)
                 continue
             j = self._partner.get(pos)
-            if j is not None and self._blocked(ins, pending) and not self._blocked(self.program.instrs[j], pending):
+            if j is not None and self._side is not None and self._beside_ok(j, pending):
+                # CUDA: the partner on the second stream, this step on the main one (either may wait)
+                self._run_beside(j, pending, compute)
+                ran_early.add(j)
+            elif j is not None and self._blocked(ins, pending) and not self._blocked(self.program.instrs[j], pending):
                 # this step's input is still in flight but the next, independent step is ready: run
                 # that one first (e.g. DualPipeV's B of one micro-batch while F's activation arrives)
                 partner = self.program.instrs[j]

@@ -297,6 +297,8 @@ def test_json_text_that_is_not_json() -> None:
     ({"optimiser": torch.optim.SGD}, "unknown option(s) ['optimiser']"),
     ({"codegen": "triton"}, "codegen"),
     ({"optimizer": "adam"}, "must be a callable"),
+    ({"remat": "yes"}, "options['remat'] must be True"),
+    ({"overlap_streams": 1}, "options['overlap_streams'] must be True"),
 ])
 def test_bad_options(options: dict, needle: str) -> None:
     m = _mlp()
