@@ -7,8 +7,12 @@ overlap slots where the F of one micro-batch runs beside the B of another, so on
 all-to-all is in flight while the other computes. Same micro-batches, AdamW, gloo, 1 thread per rank.
 
 The DeepSeek paper reports DualPipe >= 6% faster than 1F1B where communication is a real share of the
-step; ``DualPipeV / 1F1B`` below 0.94 meets that. (4 ranks on a 2-core machine share cores: the figure
-is what this machine gives, not what GPUs would.)
+step; ``DualPipeV / 1F1B`` below 0.94 meets that. On loopback a transfer is a memcpy on the cores that
+compute, and 4 ranks on 2 cores make the step CPU-bound (sum of the ranks' CPU / 2 ~ wall), so there is
+no communication to hide: run it under ``emulated_link.py --per-rank 4`` (one rate-limited link per rank)
+to give communication its share, e.g.
+
+    python benchmarks/emulated_link.py --rate 150mbit --per-rank 4 --probe -- python benchmarks/bench_ep_pipeline.py
 
 The peer (``ep_pipelining.py``): ``torch.distributed.pipelining``'s ``ScheduleDualPipeV`` on the same model, split
 into the same 4 V-stages on the same ranks (pipelines ``[0, 2]`` and ``[1, 3]``, EP/DP pairs ``[0, 1]`` and
