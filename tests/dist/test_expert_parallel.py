@@ -64,16 +64,15 @@ def test_ep_with_zero1_and_adamw_inductor():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "dualpipe_v"])
-def test_pp2_x_ep2(schedule):
+@pytest.mark.parametrize("schedule,zero", [("1f1b", 0), ("1f1b", 1), ("dualpipe_v", 1)])
+def test_pp2_x_ep2(schedule, zero):
     """4 ranks: two pipeline ranks, each a group of two that shards the experts of its stages; dense
-    weights ZeRO-1-sharded over the pair under DualPipeV."""
+    weights replicated over the pair, or ZeRO-1-sharded (PP x DP x EP with ZeRO-1)."""
     groups = [[0, 1], [2, 3]]
     if schedule == "1f1b":
         stages, d = 2, [*piper.pipeline(2, ranks=groups), piper.split(4), *S.one_f_one_b(2, 4)]
     else:
         stages, d = 4, [piper.split(4), *S.dualpipe_v(2, 4, groups=groups)]
-    zero = 1 if schedule == "dualpipe_v" else 0
     cfg = _ep("moegpt", {"layers": stages, "experts": 4},
               [*d, piper.replicate({"PP": "*"}, zero=zero), piper.shard({"EP": "*"})], stages=stages)
     res = run_parity(cfg, 4)
