@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -37,9 +38,23 @@ def _where(rank: int, world: int) -> tuple[str, bool, float]:
     return os.environ.get("GLOO_SOCKET_IFNAME", ""), emulated_link.RANK_IF in dev, float(t)
 
 
+def _can_make_namespaces() -> bool:
+    """Root, iproute2, and a kernel/container that lets us build the links (namespaces, a bridge, veth
+    pairs, tbf): probed by building one rank's link and removing it."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    names = [f"pltprobe{os.getpid()}", f"pltprobe{os.getpid()}h"]
+    try:
+        emulated_link._netns_setup(names[:1], names[1], "1gbit", "256kb", "200ms")
+        return True
+    except (subprocess.CalledProcessError, OSError):
+        return False
+    finally:
+        emulated_link.remove_namespaces(names)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
-                    reason="network namespaces need root and iproute2 (ip, tc)")
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 (ip, tc) and network namespaces")
 def test_ranks_run_in_their_own_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
     tag = f"plt{os.getpid()}"
     names = [f"{tag}_{i}" for i in range(3)]
