@@ -37,7 +37,10 @@ def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True)
 
 
-def _serve(port: int, mib: int) -> None:
+PROBE_PORT, PROBE_MIB = 29511, 64  # the bandwidth probe: one TCP stream of this many MiB
+
+
+def _serve(port: int = PROBE_PORT, mib: int = PROBE_MIB) -> None:
     """Accept one connection on ``port`` (all addresses) and read ``mib`` MiB from it."""
     with socket.socket() as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -53,7 +56,7 @@ def _serve(port: int, mib: int) -> None:
         conn.close()
 
 
-def _send(host: str, port: int, mib: int) -> float:
+def _send(host: str, port: int = PROBE_PORT, mib: int = PROBE_MIB) -> float:
     """MiB/s of one TCP stream sending ``mib`` MiB to ``host:port`` (retried while the server starts)."""
     for _ in range(100):
         try:
@@ -73,12 +76,11 @@ def _send(host: str, port: int, mib: int) -> float:
     return mib / (time.perf_counter() - t0)
 
 
-def probe(mib: int = 64) -> float:
-    """MiB/s through loopback in the current namespace (one TCP stream, ``mib`` MiB)."""
-    port = 29511
-    t = threading.Thread(target=_serve, args=(port, mib))
+def probe() -> float:
+    """MiB/s through loopback in the current namespace (one TCP stream)."""
+    t = threading.Thread(target=_serve)
     t.start()
-    rate = _send("127.0.0.1", port, mib)
+    rate = _send("127.0.0.1")
     t.join()
     return rate
 
@@ -111,9 +113,9 @@ def _netns_setup(names: list[str], hub: str, rate: str, burst: str, latency: str
 def _probe_pair(names: list[str]) -> float:
     """MiB/s of one TCP stream from rank 0's namespace to rank 1's."""
     me = [sys.executable, os.path.abspath(__file__)]
-    srv = subprocess.Popen(["ip", "netns", "exec", names[1], *me, "--serve", "--rate", "x"])
+    srv = subprocess.Popen(["ip", "netns", "exec", names[1], *me, "--serve"])
     try:
-        out = subprocess.run(["ip", "netns", "exec", names[0], *me, "--send", f"{SUBNET}.2", "--rate", "x"],
+        out = subprocess.run(["ip", "netns", "exec", names[0], *me, "--send", f"{SUBNET}.2"],
                              check=True, capture_output=True, text=True).stdout
     finally:
         srv.wait(timeout=60)
@@ -144,7 +146,7 @@ def remove_namespaces(names: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", required=True, help="link bandwidth in tc units, e.g. 2gbit, 500mbit")
+    p.add_argument("--rate", help="link bandwidth in tc units, e.g. 2gbit, 500mbit (required)")
     p.add_argument("--burst", default="256kb", help="token bucket size (>= loopback MTU of 64 KiB)")
     p.add_argument("--latency", default="200ms", help="longest a byte may queue before tbf drops it")
     p.add_argument("--probe", action="store_true", help="print the bandwidth a TCP stream achieves first")
@@ -158,10 +160,12 @@ def main() -> None:
     a = p.parse_args()
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if a.serve:
-        return _serve(29511, 64)
+        return _serve()
     if a.send:
-        print(f"{_send(a.send, 29511, 64):.1f}")
+        print(f"{_send(a.send):.1f}")
         return None
+    if not a.rate:
+        p.error("--rate is required")
     if a.inside:
         if a.probe:
             print(f"emulated link: {a.rate} (tbf burst {a.burst}); a TCP stream gets {probe():.0f} MiB/s", flush=True)

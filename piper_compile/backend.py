@@ -74,20 +74,24 @@ class Options:
             if opt is None:
                 raise PiperError("piper: options['clip_grad_norm'] clips before piper's optimizer step, so it needs "
                                  "options['optimizer']; without one, clip param.grad yourself after the call")
-        remat = options.get("remat", os.environ.get("PIPER_REMAT", "1") != "0")
-        if not isinstance(remat, bool):
-            raise PiperError(f"piper: options['remat'] must be True (recompute cheap activations such as GELU and "
-                             f"layer-norm outputs in the backward instead of keeping them) or False, got {remat!r}")
-        overlap = options.get("overlap_streams", os.environ.get("PIPER_OVERLAP_STREAMS", "1") != "0")
-        if not isinstance(overlap, bool):
-            raise PiperError(f"piper: options['overlap_streams'] must be True (on CUDA, run the two compute steps "
-                             f"of an overlap slot on two streams) or False (one stream), got {overlap!r}")
+        remat = _flag(options, "remat", "PIPER_REMAT", "recompute cheap activations such as GELU and layer-norm "
+                      "outputs in the backward instead of keeping them")
+        overlap = _flag(options, "overlap_streams", "PIPER_OVERLAP_STREAMS",
+                        "on CUDA, run the two compute steps of an overlap slot on two streams")
         directives = parse_directives(options.get("directives"))
         for d in directives:
             if isinstance(d, Replicate) and d.zero > 0 and opt is None:
                 raise d.error(f"zero={d.zero} shards optimizer state, so piper must run the optimizer",
                               "pass options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
         return cls(directives, opt, codegen, timeout, None if clip is None else float(clip), remat, overlap)
+
+
+def _flag(options: dict[str, Any], key: str, env: str, meaning: str) -> bool:
+    """A boolean option, on unless the option or its environment variable (``=0``) turns it off."""
+    value = options.get(key, os.environ.get(env, "1") != "0")
+    if not isinstance(value, bool):
+        raise PiperError(f"piper: options[{key!r}] must be True ({meaning}) or False, got {value!r}")
+    return value
 
 
 # One TrainState per model, found through any of its parameters (shared by the grad/no-grad programs).

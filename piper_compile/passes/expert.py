@@ -74,15 +74,15 @@ def _group(n: Node) -> tuple[int, ...]:
 def _chain(dag: TrainingDAG, n: Node, group: tuple[int, ...], steps: list[tuple[str, Kind, tuple[str, ...],
            tuple[str, ...], dict[str, object]]]) -> None:
     stream = n.attr("ep_stream") or "ep"
-    # the counts exchange has a group of its own: it never queues behind the rows another chain has in flight
-    streams = {"counts": f"{stream}_counts"}
     base = {k: v for k, v in n.attrs if k not in EP_ATTRS + ("grads", "boundary")}  # keeps the op's segment
     names = []
     for role, kind, ins, outs, extra in steps:
         attrs = {**base, "ep_role": role, "ep_group": group, **extra}
         if kind is Kind.ALL_TO_ALL:
             attrs = {"ep_role": role, "ep_group": group, "mb": n.attr("mb", 0), "purpose": "ep", **extra}
-        node = Node(f"{n.name}.{role}", kind, n.tags, group, streams.get(role, stream) if kind.is_comm else n.stream,
+        # the counts exchange has a group of its own: it never queues behind the rows another chain has in flight
+        comm_stream = f"{stream}_counts" if role == "counts" else stream
+        node = Node(f"{n.name}.{role}", kind, n.tags, group, comm_stream if kind.is_comm else n.stream,
                     ins, outs, tuple(sorted(attrs.items())))
         dag.add(node)
         if names:

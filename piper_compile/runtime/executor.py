@@ -6,6 +6,7 @@ the rank, the instruction, the peer and its position in the program instead of h
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -179,32 +180,36 @@ class Executor:
                 return True
         return False
 
-    def _beside_ok(self, j: int, pending: dict[str, tuple[Any, Instr, int]]) -> bool:
-        """Whether partner ``j`` can run on the side stream now: none of its waits has host work to do once
-        complete (a sequence-parallel result stored on completion), which the side stream cannot wait for;
-        and where a wait would block the host, its input has already arrived (waiting on the host for the
-        partner's input before this step sends its output could deadlock with the peer)."""
-        assert self._side is not None
+    def _early(self, ins: Instr, j: int, pending: dict[str, tuple[Any, Instr, int]]) -> str | None:
+        """How overlap partner ``j`` runs before ``ins``, if it does: ``"side"`` (CUDA: always, on the
+        second stream, unless one of its waits has host work to do on completion -- a sequence-parallel
+        result -- or, where waits block the host, its input is not here yet: waiting for it before ``ins``
+        sends its output could deadlock with the peer), ``"host"`` (``ins``'s input is still in flight and
+        ``j``'s has arrived) or None (program order)."""
         partner = self.program.instrs[j]
-        if any(w in self._finish for w in partner.waits):
-            return False
-        return self._side.async_waits or not self._blocked(partner, pending)
+        if self._side is not None and not any(w in self._finish for w in partner.waits) and (
+                self._side.async_waits or not self._blocked(partner, pending)):
+            return "side"
+        return "host" if self._blocked(ins, pending) and not self._blocked(partner, pending) else None
 
-    def _run_beside(self, j: int, pending: dict[str, tuple[Any, Instr, int]],
-                    compute: Callable[[Instr, bool], None]) -> None:
-        """Launch partner ``j`` on the side stream. Its waits are made there without retiring them: the
-        main stream still waits for each where its own consumers are (the side stream's waits do not
-        order the main stream)."""
-        assert self._side is not None
+    def _run_early(self, j: int, how: str, pending: dict[str, tuple[Any, Instr, int]],
+                   compute: Callable[[Instr, bool], None]) -> None:
+        """Run partner ``j`` now. On the side stream its waits are made there without retiring them: the
+        main stream still waits for each where its own consumers are. Its frees wait for its own
+        position (after the join)."""
         partner = self.program.instrs[j]
-        self._side.fork()
-        with self._side.context():
+        side = self._side if how == "side" else None
+        if side is not None:
+            side.fork()
+        with side.context() if side is not None else contextlib.nullcontext():
             for w in partner.waits:
                 item = pending.get(w)
-                if item is not None and item[0] is not None:
+                if side is None:
+                    self._wait(pending, w)
+                elif item is not None and item[0] is not None:
                     self._block(*item)
             self.rec.begin()
-            compute(partner, False)  # its frees wait for its own position (after the join)
+            compute(partner, False)
             self.rec.end(j, partner, None)
         self.stats.reordered += 1
 
@@ -322,21 +327,10 @@ class Executor:
                     free(v)
                 continue
             j = self._partner.get(pos)
-            if j is not None and self._side is not None and self._beside_ok(j, pending):
-                # CUDA: the partner on the second stream, this step on the main one (either may wait)
-                self._run_beside(j, pending, compute)
+            how = self._early(ins, j, pending) if j is not None else None
+            if how is not None:  # e.g. DualPipeV's B of one micro-batch while F's activation arrives
+                self._run_early(j, how, pending, compute)
                 ran_early.add(j)
-            elif j is not None and self._blocked(ins, pending) and not self._blocked(self.program.instrs[j], pending):
-                # this step's input is still in flight but the next, independent step is ready: run
-                # that one first (e.g. DualPipeV's B of one micro-batch while F's activation arrives)
-                partner = self.program.instrs[j]
-                for w in partner.waits:
-                    self._wait(pending, w)
-                rec.begin()
-                compute(partner, release=False)  # its frees wait for its own position
-                rec.end(j, partner, None)
-                ran_early.add(j)
-                self.stats.reordered += 1
             for w in ins.waits:
                 tw = rec.now()
                 self._wait(pending, w)
