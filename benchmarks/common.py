@@ -183,27 +183,34 @@ def to_global_mean(res: "RankResult", world: int) -> "RankResult":
 
 def timed_loop(step: Callable[[int], torch.Tensor | None], spec: Spec) -> RankResult:
     """Run ``step(i)`` for warm-up + timed steps with a barrier before each; ``step`` returns its loss."""
-    times: list[float] = []
-    cpu: list[float] = []
-    losses: list[float] = []
-    first = 0.0
+    return timed_loops({"": step}, spec)[""]
+
+
+def timed_loops(steps: dict[str, Callable[[int], torch.Tensor | None]], spec: Spec) -> dict[str, RankResult]:
+    """Several variants in one process, step ``i`` of each in turn (A B C A B C ...), each behind a
+    barrier: a slow phase of the machine then slows every variant alike, so their ratios stay fair.
+    RSS figures are the process's (shared by the variants; meaningful with one variant only)."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
+    losses: dict[str, list[float]] = {k: [] for k in steps}
+    first: dict[str, float] = {}
     rss_after_warmup = peak_rss_mib()
     for i in range(spec.warmup + spec.steps):
         if i == spec.warmup:
             rss_after_warmup = peak_rss_mib()
-        dist.barrier()
-        t0, c0 = time.perf_counter(), cpu_seconds()
-        loss = step(i)
-        dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
-        losses.append(float("nan") if loss is None else float(loss.detach()))
-        if i == 0:
-            first = dt
-        if i >= spec.warmup:
-            times.append(dt)
-            cpu.append(dc)
+        for name, step in steps.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            loss = step(i)
+            dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
+            losses[name].append(float("nan") if loss is None else float(loss.detach()))
+            first.setdefault(name, dt)
+            if i >= spec.warmup:
+                times[name].append(dt)
+                cpu[name].append(dc)
     dist.barrier()
     peak = peak_rss_mib()
-    return RankResult(times, cpu, first, losses, peak, peak - rss_after_warmup)
+    return {k: RankResult(times[k], cpu[k], first[k], losses[k], peak, peak - rss_after_warmup) for k in steps}
 
 
 def percentile(xs: list[float], q: float) -> float:

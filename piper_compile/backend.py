@@ -33,7 +33,8 @@ from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
 from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.zero import layout_of
 
-_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat", "overlap_streams"}
+_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat", "overlap_streams",
+                "reorder_window"}
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Options:
     clip_grad_norm: float | None = None
     remat: bool = True  # recompute cheap activations in the backward instead of keeping them (capture/remat.py)
     overlap_streams: bool = True  # CUDA: an overlap slot's two compute steps on two streams (runtime/executor.py)
+    reorder_window: int = 8  # gloo: compute steps ahead a waiting step may let run first (runtime/reorder.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -78,12 +80,19 @@ class Options:
                       "outputs in the backward instead of keeping them")
         overlap = _flag(options, "overlap_streams", "PIPER_OVERLAP_STREAMS",
                         "on CUDA, run the two compute steps of an overlap slot on two streams")
+        window = options.get("reorder_window", os.environ.get("PIPER_REORDER_WINDOW", "8"))
+        if isinstance(window, str) and window.isdigit():
+            window = int(window)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise PiperError("piper: options['reorder_window'] must be a whole number >= 0 (how many compute steps "
+                             "ahead the runtime may run while a step waits for its input; 0 keeps program order "
+                             f"except for overlap slots), got {window!r}")
         directives = parse_directives(options.get("directives"))
         for d in directives:
             if isinstance(d, Replicate) and d.zero > 0 and opt is None:
                 raise d.error(f"zero={d.zero} shards optimizer state, so piper must run the optimizer",
                               "pass options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
-        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip), remat, overlap)
+        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip), remat, overlap, window)
 
 
 def _flag(options: dict[str, Any], key: str, env: str, meaning: str) -> bool:
@@ -262,7 +271,7 @@ class CompiledStep:
         dp = len(dag.meta["loss_group"]) // dag.meta.get("tp_size", 1)  # ranks of a TP group share a batch
         executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
                             dp, dag.meta["loss_group"], self.options.timeout_s,
-                            forward_only, self.options.overlap_streams)
+                            forward_only, self.options.overlap_streams, self.options.reorder_window)
         self.plans[forward_only] = Plan(dag, programs, executor)
         return self.plans[forward_only]
 

@@ -22,6 +22,7 @@ from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime import expert, tensor_parallel
 from piper_compile.runtime.groups import GroupRegistry
+from piper_compile.runtime.reorder import Fillers, needs, overlap_partners
 from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import reduce_scatter
@@ -38,7 +39,8 @@ class StepStats:
     peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
     peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
     peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
-    reordered: int = 0  # compute steps run ahead of a predecessor still waiting for its input
+    reordered: int = 0  # overlap partners run ahead of (or beside) a predecessor still waiting for its input
+    filled: int = 0  # later steps run while an earlier one waited for its input (the reorder window)
     seconds: float = 0.0
 
 
@@ -47,28 +49,6 @@ def _split_mb(name: str) -> tuple[str, int | None]:
         base, mb = name.rsplit("@mb", 1)
         return base, int(mb)
     return name, None
-
-
-def overlap_partners(program: Program) -> dict[int, int]:
-    """compute position -> the next compute step, where the runtime may run that one first if this one's
-    input has not arrived: nothing it reads comes from this step or the instructions between them,
-    what it waits for is issued before this step, and at most one of the two accumulates gradients or
-    the loss (so accumulation order, and with it every number, stays the same)."""
-    instrs = program.instrs
-    computes = [k for k, i in enumerate(instrs) if i.node.kind is Kind.COMPUTE]
-    out: dict[int, int] = {}
-    for a, b in zip(computes, computes[1:]):
-        i, j = instrs[a].node, instrs[b].node
-        produced = {v for k in range(a, b) for v in instrs[k].node.outputs}
-        issued = {instrs[k].name for k in range(a)}
-        if produced & set(j.inputs) or not set(instrs[b].waits) <= issued:
-            continue
-        if (bool(i.attr("grads")) and bool(j.attr("grads"))) or (bool(i.attr("loss")) and bool(j.attr("loss"))):
-            continue
-        if not instrs[a].waits:
-            continue
-        out[a] = b
-    return out
 
 
 class SideStream:
@@ -104,7 +84,7 @@ class Executor:
     def __init__(self, program: Program, joint: JointGraph, segments: dict[str, Callable[[list[Any]], list[Any]]],
                  state: TrainState, groups: GroupRegistry | None, microbatches: int, dp_degree: int,
                  loss_group: tuple[int, ...], timeout_s: float, forward_only: bool,
-                 overlap_streams: bool = True) -> None:
+                 overlap_streams: bool = True, reorder_window: int = 8) -> None:
         self.program = program
         self.joint = joint
         self.segments = segments
@@ -129,8 +109,12 @@ class Executor:
         self._sending: dict[str, torch.Tensor] = {}  # what in-flight all-to-alls and TP collectives send
         norm = next((i.node for i in program.instrs if i.node.attr("purpose") == "gradnorm"), None)
         self._max_norm = float(norm.attr("max_norm")) if norm is not None else 0.0  # options["clip_grad_norm"]
+        self._needs = needs(program)
         self._partner = overlap_partners(program)
         self._side = side_stream_for(state.device, overlap_streams) if self._partner else None
+        # where waits block the host (gloo): later independent steps run while a step's input is in flight
+        host_waits = state.device.type != "cuda"
+        self._fillers = Fillers(program, reorder_window, self._needs) if host_waits and reorder_window else None
         self._update = program.update_node()
 
     # -- externals -------------------------------------------------------------------------------
@@ -172,9 +156,9 @@ class Executor:
 
     # -- waiting -----------------------------------------------------------------------------------
     @staticmethod
-    def _blocked(ins: Instr, pending: dict[str, tuple[Any, Instr, int]]) -> bool:
-        """Whether one of ``ins``'s waits is still in flight (never blocks)."""
-        for w in ins.waits:
+    def _blocked(names: tuple[str, ...], pending: dict[str, tuple[Any, Instr, int]]) -> bool:
+        """Whether one of these communications is still in flight (never blocks)."""
+        for w in names:
             item = pending.get(w)
             if item is not None and item[0] is not None and not item[0].is_completed():
                 return True
@@ -186,23 +170,24 @@ class Executor:
         result -- or, where waits block the host, its input is not here yet: waiting for it before ``ins``
         sends its output could deadlock with the peer), ``"host"`` (``ins``'s input is still in flight and
         ``j``'s has arrived) or None (program order)."""
-        partner = self.program.instrs[j]
-        if self._side is not None and not any(w in self._finish for w in partner.waits) and (
-                self._side.async_waits or not self._blocked(partner, pending)):
+        need = self._needs[j]
+        if self._side is not None and not any(w in self._finish for w in need) and (
+                self._side.async_waits or not self._blocked(need, pending)):
             return "side"
-        return "host" if self._blocked(ins, pending) and not self._blocked(partner, pending) else None
+        return "host" if self._blocked(ins.waits, pending) and not self._blocked(need, pending) else None
 
     def _run_early(self, j: int, how: str, pending: dict[str, tuple[Any, Instr, int]],
                    compute: Callable[[Instr, bool], None]) -> None:
-        """Run partner ``j`` now. On the side stream its waits are made there without retiring them: the
-        main stream still waits for each where its own consumers are. Its frees wait for its own
+        """Run step ``j`` now, ahead of its program position: an overlap partner (``how`` = "side" or
+        "host") or a filler ("host"). On the side stream its waits are made there without retiring them:
+        the main stream still waits for each where its own consumers are. Its frees wait for its own
         position (after the join)."""
         partner = self.program.instrs[j]
         side = self._side if how == "side" else None
         if side is not None:
             side.fork()
         with side.context() if side is not None else contextlib.nullcontext():
-            for w in partner.waits:
+            for w in self._needs[j]:
                 item = pending.get(w)
                 if side is None:
                     self._wait(pending, w)
@@ -211,7 +196,26 @@ class Executor:
             self.rec.begin()
             compute(partner, False)
             self.rec.end(j, partner, None)
-        self.stats.reordered += 1
+
+    def _fill(self, pos: int, pending: dict[str, tuple[Any, Instr, int]], compute: Callable[[Instr, bool], None],
+              free: Callable[[str], None], ran_early: dict[int, bool]) -> None:
+        """While step ``pos``'s input is in flight, run later independent sink steps (deferred weight
+        gradients) whose communication has completed (``reorder.Fillers``), nearest first, one at a time,
+        re-checking the wait in between."""
+        assert self._fillers is not None
+        waits = self.program.instrs[pos].waits
+        while self._blocked(waits, pending):
+            k = next((k for k in self._fillers.candidates(pos, ran_early)
+                      if not self._blocked(self._needs[k], pending)), None)
+            if k is None:
+                return
+            self._run_early(k, "host", pending, compute)
+            ran_early[k] = False
+            self.stats.filled += 1
+            keep = self._fillers.still_read(pos, k, ran_early)
+            for v in self.program.instrs[k].frees:  # its results and last-use inputs: not kept till its turn
+                if v not in keep:
+                    free(v)
 
     def _wait(self, pending: dict[str, tuple[Any, Instr, int]], name: str) -> None:
         item = pending.pop(name, None)
@@ -317,20 +321,23 @@ class Executor:
                         self.grads.accumulate(fqn, env[v])
                 self._note_grad_bytes()
 
-        ran_early: set[int] = set()
+        ran_early: dict[int, bool] = {}  # position -> whether it ran on the side stream
         for pos, ins in enumerate(self.program.instrs):
             n = ins.node
-            if pos in ran_early:  # an overlap partner that ran while its predecessor waited
-                if self._side is not None:
+            if pos in ran_early:  # an overlap partner or filler that ran while an earlier step waited
+                if ran_early.pop(pos) and self._side is not None:
                     self._side.join()
                 for v in ins.frees:
                     free(v)
                 continue
             j = self._partner.get(pos)
-            how = self._early(ins, j, pending) if j is not None else None
+            how = self._early(ins, j, pending) if j is not None and j not in ran_early else None
             if how is not None:  # e.g. DualPipeV's B of one micro-batch while F's activation arrives
                 self._run_early(j, how, pending, compute)
-                ran_early.add(j)
+                ran_early[j] = how == "side"
+                self.stats.reordered += 1
+            if self._fillers is not None and n.kind is Kind.COMPUTE and ins.waits:
+                self._fill(pos, pending, compute, free, ran_early)
             for w in ins.waits:
                 tw = rec.now()
                 self._wait(pending, w)

@@ -299,6 +299,9 @@ def test_json_text_that_is_not_json() -> None:
     ({"optimizer": "adam"}, "must be a callable"),
     ({"remat": "yes"}, "options['remat'] must be True"),
     ({"overlap_streams": 1}, "options['overlap_streams'] must be True"),
+    ({"reorder_window": -1}, "options['reorder_window'] must be a whole number >= 0"),
+    ({"reorder_window": 2.5}, "options['reorder_window'] must be a whole number >= 0"),
+    ({"reorder_window": True}, "options['reorder_window'] must be a whole number >= 0"),
 ])
 def test_bad_options(options: dict, needle: str) -> None:
     m = _mlp()

@@ -138,3 +138,51 @@ def test_overlap_partners_of_a_dualpipe_v_program() -> None:
             i, j = prog.instrs[a], prog.instrs[b]
             assert not (set(i.node.outputs) & set(j.node.inputs))
             assert not (i.node.attr("grads") and j.node.attr("grads"))
+
+
+@pytest.mark.parametrize("kind", ["zbv", "zb_h1", "dualpipe_v"])
+def test_reorder_window_candidates_are_independent(kind: str) -> None:
+    """Every filler the runtime may run while step ``pos`` waits is a sink (its results only accumulate
+    into gradients or the loss), reads nothing produced by ``pos`` or the
+    instructions it jumps, adds into no gradient they add into, needs only communication issued before
+    ``pos`` (its own waits and the producers of its inputs, even where an earlier consumer holds the
+    wait), and jumps only compute, activation traffic, all-to-alls and per-use gathers."""
+    import torch
+
+    import piper_compile as piper
+    from piper_compile.ir.dag import Kind
+    from piper_compile.runtime.reorder import Fillers, accumulates, needs
+    from piper_compile.testing.models import build_model
+
+    model = build_model("mlp", dim=8, depth=4)
+    model.annotate_stages(4 if kind != "zb_h1" else 2)
+    batch = model.make_batch(8, torch.Generator().manual_seed(0))
+    sched = {"zbv": lambda: piper.schedules.zbv(2, 4), "dualpipe_v": lambda: piper.schedules.dualpipe_v(2, 4),
+             "zb_h1": lambda: [*piper.pipeline(2), *piper.schedules.zb_h1(2, 4)]}[kind]()
+    plan = piper.plan(model, *batch, directives=[piper.split(4), *sched], world_size=2)
+    found_weight_grad_filler = False
+    for prog in plan.programs:
+        instrs = prog.instrs
+        need = needs(prog)
+        source = {v: i.name for i in instrs if i.is_async for v in i.node.outputs}
+        at = {i.name: k for k, i in enumerate(instrs)}
+        fillers = Fillers(prog, 8, need)
+        for k, n in need.items():
+            assert set(instrs[k].waits) <= set(n)
+            assert {source[v] for v in instrs[k].node.inputs if v in source} <= set(n)
+        for pos, ins in enumerate(instrs):
+            if ins.node.kind is not Kind.COMPUTE or not ins.waits:
+                continue
+            for k in fillers.candidates(pos, set()):
+                assert k > pos and instrs[k].node.kind is Kind.COMPUTE
+                assert accumulates(instrs[k]) and not set(instrs[k].node.outputs) & {  # a sink
+                    v for i in instrs for v in i.node.inputs}
+                between = instrs[pos:k]
+                assert not {v for i in between for v in i.node.outputs} & set(instrs[k].node.inputs)
+                assert not set().union(*(accumulates(i) for i in between)) & accumulates(instrs[k])
+                assert all(at[w] < pos for w in need[k])
+                assert all(i.node.kind in (Kind.COMPUTE, Kind.SEND, Kind.RECV) for i in between[1:])
+                found_weight_grad_filler |= "BW" in instrs[k].node.name
+            assert len([k for k in fillers.candidates(pos, set())]) <= 8
+    if kind == "zbv":  # a deferred weight-gradient step of the other stage can fill a wait
+        assert found_weight_grad_filler

@@ -1,0 +1,132 @@
+"""Which compute steps of a rank's program the runtime may run out of program order, and when.
+
+Two mechanisms, both keeping every number bitwise equal to program order (two accumulations into the
+same gradient, or two into the loss, are never swapped):
+
+* ``overlap_partners``: the two halves of an overlap slot (DualPipeV/ZBV pairs an F with a B). On CUDA
+  the partner always runs on a second stream; elsewhere it runs first when its predecessor's input is
+  late.
+* ``Fillers``: where a wait blocks the host (gloo on CPU), a compute step whose input is still in flight
+  lets later independent *sink* steps run first -- steps whose results nothing else reads, only
+  accumulated into gradients or the loss (a zero-bubble schedule's deferred weight-gradient steps) --
+  nearest first, up to ``window`` compute steps ahead. A step that feeds others (a forward, an input
+  gradient) stays in place: run early, it would delay the waiting step, whose output a neighbour stage
+  is waiting for, and keep its own activations alive longer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from piper_compile.ir.dag import Kind
+from piper_compile.plan.program import Instr, Program
+
+LOSS = "<loss>"  # the accumulation into the step's loss, next to gradient names in ``accumulates``
+
+
+def accumulates(ins: Instr) -> frozenset[str]:
+    """Gradients (by parameter name) and the loss this instruction adds into."""
+    n = ins.node
+    out = {fqn for _, fqn in n.attr("grads") or ()}
+    if n.attr("loss"):
+        out.add(LOSS)
+    return frozenset(out)
+
+
+def needs(program: Program) -> dict[int, tuple[str, ...]]:
+    """compute position -> the communication that must be complete before it runs: its own waits and
+    every asynchronous producer of its inputs (an earlier consumer may hold the wait in program order,
+    so a step run ahead of that consumer must wait itself)."""
+    source = {v: ins.name for ins in program.instrs if ins.is_async for v in ins.node.outputs}
+    return {k: tuple(dict.fromkeys([*ins.waits, *(source[v] for v in ins.node.inputs if v in source)]))
+            for k, ins in enumerate(program.instrs) if ins.node.kind is Kind.COMPUTE}
+
+
+def overlap_partners(program: Program) -> dict[int, int]:
+    """compute position -> the next compute step, where the runtime may run that one first if this one's
+    input has not arrived: nothing it reads comes from this step or the instructions between them,
+    the communication it needs is issued before this step, and at most one of the two accumulates
+    gradients or the loss (so accumulation order, and with it every number, stays the same)."""
+    instrs = program.instrs
+    need = needs(program)
+    computes = [k for k, i in enumerate(instrs) if i.node.kind is Kind.COMPUTE]
+    out: dict[int, int] = {}
+    for a, b in zip(computes, computes[1:]):
+        i, j = instrs[a].node, instrs[b].node
+        produced = {v for k in range(a, b) for v in instrs[k].node.outputs}
+        issued = {instrs[k].name for k in range(a)}
+        if produced & set(j.inputs) or not set(need[b]) <= issued:
+            continue
+        if (bool(i.attr("grads")) and bool(j.attr("grads"))) or (bool(i.attr("loss")) and bool(j.attr("loss"))):
+            continue
+        if not instrs[a].waits:
+            continue
+        out[a] = b
+    return out
+
+
+def _jumpable(ins: Instr) -> bool:
+    """Whether a filler may run before this (not yet issued) instruction: compute, activation sends and
+    receives, expert all-to-alls and ZeRO-3 per-use gathers only. Gradient-state traffic, gradient
+    reductions, tensor-parallel collectives and the update keep their place relative to every compute."""
+    n = ins.node
+    if n.kind in (Kind.COMPUTE, Kind.ALL_TO_ALL):
+        return True
+    if n.kind in (Kind.SEND, Kind.RECV):
+        return not n.attr("state")
+    return n.kind is Kind.ALL_GATHER and bool(n.attr("for")) and n.attr("purpose") != "tp"
+
+
+@dataclass(frozen=True)
+class _Step:
+    inputs: frozenset[str]
+    needs: tuple[str, ...]  # communication it must see complete: its waits and every async producer of its inputs
+    acc: frozenset[str]
+
+
+class Fillers:
+    """Static facts the runtime needs to pick a filler quickly: per instruction what it produces and adds
+    into, per compute step what it reads and which communication must be complete before it runs."""
+
+    def __init__(self, program: Program, window: int, need: dict[int, tuple[str, ...]]) -> None:
+        self.window = window
+        self.program = program
+        instrs = program.instrs
+        self.pos_of = {ins.name: k for k, ins in enumerate(instrs)}
+        self.outs = [frozenset(ins.node.outputs) for ins in instrs]
+        self.acc = [accumulates(ins) for ins in instrs]
+        self.jumpable = [_jumpable(ins) for ins in instrs]
+        read = {v for ins in instrs for v in ins.node.inputs}
+        self.steps = {k: _Step(frozenset(instrs[k].node.inputs), n, self.acc[k]) for k, n in need.items()}
+        self.sinks = {k for k in self.steps if self.acc[k] and not set(instrs[k].node.outputs) & read}
+
+    def still_read(self, pos: int, k: int, done: set[int] | dict[int, bool]) -> set[str]:
+        """Values read by the instructions from ``pos`` up to (not including) ``k`` that have not run:
+        a filler's last-use values outside this set can be freed as soon as it has run."""
+        return {v for m in range(pos, k) if m not in done for v in self.program.instrs[m].node.inputs}
+
+    def candidates(self, pos: int, done: set[int] | dict[int, bool]) -> Iterator[int]:
+        """Sink steps after ``pos`` that may run before it, nearest first: each reads nothing produced
+        by ``pos`` or any not-yet-run instruction before it, adds into nothing they add into, needs only
+        communication issued before ``pos``, and is reached without passing an instruction that must
+        keep its place. ``done``: positions already run early. The caller still checks that the needed
+        communication has completed."""
+        produced: set[str] = set()
+        accs: set[str] = set()
+        seen = 0
+        for k in range(pos, len(self.outs)):
+            if k in done:
+                continue
+            step = self.steps.get(k)
+            if k > pos:
+                if step is None and not self.jumpable[k]:
+                    return
+                if step is not None:
+                    if (k in self.sinks and not (step.inputs & produced) and not (step.acc & accs)
+                            and all(self.pos_of[w] < pos for w in step.needs)):
+                        yield k
+                    seen += 1
+                    if seen >= self.window:
+                        return
+            produced |= self.outs[k]
+            accs |= self.acc[k]
