@@ -181,14 +181,16 @@ def to_expert_parallel(model: MoEGPT, rank: int, world: int, group: Any) -> list
     return names
 
 
-def reference_setup(rank: int, world: int, spec: Spec) -> tuple[nn.Module, MoEGPT, torch.optim.Optimizer, list[str]]:
-    """(DDP-wrapped net, the inner model, AdamW, expert parameter names) of the reference on this rank."""
+def reference_setup(rank: int, world: int, spec: Spec, sgd: bool = False
+                    ) -> tuple[nn.Module, MoEGPT, torch.optim.Optimizer, list[str]]:
+    """(DDP-wrapped net, the inner model, AdamW (SGD with ``sgd``), expert parameter names) of the reference
+    on this rank."""
     model = build_moegpt(spec)
     ep_group = dist.new_group(list(range(world)))  # its own communicator: all-to-alls never queue behind DDP
     experts = to_expert_parallel(model, rank, world, ep_group)
     DDP._set_params_and_buffers_to_ignore_for_model(model, experts)
     net = DDP(model, gradient_as_bucket_view=True)  # dense weights: broadcast from rank 0, gradients averaged
-    opt = peer_adamw(net.parameters(), spec.lr)
+    opt = torch.optim.SGD(net.parameters(), lr=spec.lr) if sgd else peer_adamw(net.parameters(), spec.lr)
     return net, model, opt, experts
 
 
@@ -210,8 +212,8 @@ def _full_params(model: nn.Module, experts: list[str], world: int, grads: bool =
     return out
 
 
-def check_worker(rank: int, world: int, spec: Spec) -> dict[str, Any]:
-    net, model, opt, experts = reference_setup(rank, world, spec)
+def check_worker(rank: int, world: int, spec: Spec, sgd: bool = False) -> dict[str, Any]:
+    net, model, opt, experts = reference_setup(rank, world, spec, sgd)
     batches = global_batches(model, spec, world * spec.batch)
     losses, grads = [], {}
     for i in range(spec.warmup + spec.steps):
@@ -227,10 +229,10 @@ def check_worker(rank: int, world: int, spec: Spec) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": _full_params(model, experts, world)}
 
 
-def single_process(spec: Spec, world: int) -> dict[str, Any]:
-    """Eager MoEGPT (``piper::moe_experts`` op) on the concatenated global batch, AdamW."""
+def single_process(spec: Spec, world: int, sgd: bool = False) -> dict[str, Any]:
+    """Eager MoEGPT (``piper::moe_experts`` op) on the concatenated global batch, AdamW (or SGD)."""
     model = build_moegpt(spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    opt = torch.optim.SGD(model.parameters(), lr=spec.lr) if sgd else torch.optim.AdamW(model.parameters(), lr=spec.lr)
     batches = global_batches(model, spec, world * spec.batch)
     losses, grads = [], {}
     for i in range(spec.warmup + spec.steps):
@@ -244,13 +246,15 @@ def single_process(spec: Spec, world: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def check_reference(spec: Spec, world: int = 2, timeout_s: float = 300) -> dict[str, float]:
+def check_reference(spec: Spec, world: int = 2, timeout_s: float = 300, sgd: bool = False) -> dict[str, float]:
     """Max differences between the reference on ``world`` ranks and single-process training: per-step global
-    loss, first-step gradients (absolute, and relative to the largest gradient), parameters after the last step."""
-    ref = run_local(check_worker, world, spec, timeout_s=timeout_s)
+    loss, first-step gradients (absolute, and relative to the largest gradient), parameters after the last step.
+    ``sgd``: plain SGD instead of AdamW in both (AdamW turns rounding noise on a mathematically zero gradient
+    into a step of ~lr, which can flip a near-tie in routing on a later step)."""
+    ref = run_local(check_worker, world, spec, sgd, timeout_s=timeout_s)
     for r in ref[1:]:  # every rank returns the same gathered tensors
         assert all(torch.equal(r["params"][n], ref[0]["params"][n]) for n in r["params"])
-    ours, truth = ref[0], single_process(spec, world)
+    ours, truth = ref[0], single_process(spec, world, sgd)
     assert ours["params"].keys() == truth["params"].keys()
     gmax = max(float(g.abs().max()) for g in truth["grads"].values())
     grad_diff = max(float((ours["grads"][n] - g).abs().max()) for n, g in truth["grads"].items())
