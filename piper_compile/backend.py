@@ -84,7 +84,8 @@ class Options:
         if isinstance(window, str) and window.isdigit():
             window = int(window)
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise PiperError("piper: options['reorder_window'] must be a whole number >= 0 (how many compute steps "
+            where = "options['reorder_window']" if "reorder_window" in options else "PIPER_REORDER_WINDOW"
+            raise PiperError(f"piper: {where} must be a whole number >= 0 (how many compute steps "
                              "ahead the runtime may run while a step waits for its input; 0 keeps program order "
                              f"except for overlap slots), got {window!r}")
         directives = parse_directives(options.get("directives"))

@@ -309,6 +309,13 @@ def test_bad_options(options: dict, needle: str) -> None:
     assert needle in msg
 
 
+def test_bad_reorder_window_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPER_REORDER_WINDOW", "eight")
+    m = _mlp()
+    msg = _first_call_error(_compile(m, []), _batch(m), PiperError)
+    assert "PIPER_REORDER_WINDOW must be a whole number >= 0" in msg and "'eight'" in msg
+
+
 def test_timeout_option_not_a_number() -> None:
     m = _mlp()
     msg = _first_call_error(_compile(m, [], timeout="soon"), _batch(m), PiperError)
