@@ -22,7 +22,7 @@ from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime import expert, tensor_parallel
 from piper_compile.runtime.groups import GroupRegistry
-from piper_compile.runtime.reorder import Fillers, needs, overlap_partners
+from piper_compile.runtime.reorder import Fillers, needs, overlap_partners, still_read
 from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import reduce_scatter
@@ -110,11 +110,12 @@ class Executor:
         norm = next((i.node for i in program.instrs if i.node.attr("purpose") == "gradnorm"), None)
         self._max_norm = float(norm.attr("max_norm")) if norm is not None else 0.0  # options["clip_grad_norm"]
         self._needs = needs(program)
-        self._partner = overlap_partners(program)
+        self._partner = overlap_partners(program, self._needs)
         self._side = side_stream_for(state.device, overlap_streams) if self._partner else None
-        # where waits block the host (gloo): later independent steps run while a step's input is in flight
-        host_waits = state.device.type != "cuda"
-        self._fillers = Fillers(program, reorder_window, self._needs) if host_waits and reorder_window else None
+        # where waits block the host (gloo): later sink steps run while a step's input is in flight
+        fillers = Fillers(program, reorder_window, self._needs) if state.device.type != "cuda" and reorder_window \
+            else None
+        self._fillers = fillers if fillers is not None and fillers.sinks else None
         self._update = program.update_node()
 
     # -- externals -------------------------------------------------------------------------------
@@ -176,12 +177,14 @@ class Executor:
             return "side"
         return "host" if self._blocked(ins.waits, pending) and not self._blocked(need, pending) else None
 
-    def _run_early(self, j: int, how: str, pending: dict[str, tuple[Any, Instr, int]],
-                   compute: Callable[[Instr, bool], None]) -> None:
-        """Run step ``j`` now, ahead of its program position: an overlap partner (``how`` = "side" or
+    def _run_early(self, pos: int, j: int, how: str, pending: dict[str, tuple[Any, Instr, int]],
+                   compute: Callable[[Instr, bool], None], free: Callable[[str], None],
+                   ran_early: dict[int, bool]) -> None:
+        """Run step ``j`` now, while the program is at ``pos``: an overlap partner (``how`` = "side" or
         "host") or a filler ("host"). On the side stream its waits are made there without retiring them:
-        the main stream still waits for each where its own consumers are. Its frees wait for its own
-        position (after the join)."""
+        the main stream still waits for each where its own consumers are, and its frees wait for its own
+        position (after the join). On the host what it frees (its results, its last-use inputs) is freed
+        at once, except values an instruction it ran ahead of still reads."""
         partner = self.program.instrs[j]
         side = self._side if how == "side" else None
         if side is not None:
@@ -196,6 +199,12 @@ class Executor:
             self.rec.begin()
             compute(partner, False)
             self.rec.end(j, partner, None)
+        ran_early[j] = side is not None
+        if side is None:
+            keep = still_read(self.program, pos, j, ran_early)
+            for v in partner.frees:
+                if v not in keep:
+                    free(v)
 
     def _fill(self, pos: int, pending: dict[str, tuple[Any, Instr, int]], compute: Callable[[Instr, bool], None],
               free: Callable[[str], None], ran_early: dict[int, bool]) -> None:
@@ -209,13 +218,8 @@ class Executor:
                       if not self._blocked(self._needs[k], pending)), None)
             if k is None:
                 return
-            self._run_early(k, "host", pending, compute)
-            ran_early[k] = False
+            self._run_early(pos, k, "host", pending, compute, free, ran_early)
             self.stats.filled += 1
-            keep = self._fillers.still_read(pos, k, ran_early)
-            for v in self.program.instrs[k].frees:  # its results and last-use inputs: not kept till its turn
-                if v not in keep:
-                    free(v)
 
     def _wait(self, pending: dict[str, tuple[Any, Instr, int]], name: str) -> None:
         item = pending.pop(name, None)
@@ -333,8 +337,7 @@ class Executor:
             j = self._partner.get(pos)
             how = self._early(ins, j, pending) if j is not None and j not in ran_early else None
             if how is not None:  # e.g. DualPipeV's B of one micro-batch while F's activation arrives
-                self._run_early(j, how, pending, compute)
-                ran_early[j] = how == "side"
+                self._run_early(pos, j, how, pending, compute, free, ran_early)
                 self.stats.reordered += 1
             if self._fillers is not None and n.kind is Kind.COMPUTE and ins.waits:
                 self._fill(pos, pending, compute, free, ran_early)

@@ -15,8 +15,7 @@ same gradient, or two into the loss, are never swapped):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator
+from typing import Container, Iterator
 
 from piper_compile.ir.dag import Kind
 from piper_compile.plan.program import Instr, Program
@@ -42,13 +41,19 @@ def needs(program: Program) -> dict[int, tuple[str, ...]]:
             for k, ins in enumerate(program.instrs) if ins.node.kind is Kind.COMPUTE}
 
 
-def overlap_partners(program: Program) -> dict[int, int]:
+def still_read(program: Program, pos: int, k: int, done: Container[int]) -> set[str]:
+    """Values read by the instructions from ``pos`` up to (not including) ``k`` that have not run: once
+    step ``k`` has run ahead of them, its last-use values outside this set can be freed at once."""
+    return {v for m in range(pos, k) if m not in done for v in program.instrs[m].node.inputs}
+
+
+def overlap_partners(program: Program, need: dict[int, tuple[str, ...]] | None = None) -> dict[int, int]:
     """compute position -> the next compute step, where the runtime may run that one first if this one's
     input has not arrived: nothing it reads comes from this step or the instructions between them,
-    the communication it needs is issued before this step, and at most one of the two accumulates
-    gradients or the loss (so accumulation order, and with it every number, stays the same)."""
+    the communication it needs (``needs``) is issued before this step, and at most one of the two
+    accumulates gradients or the loss (so accumulation order, and with it every number, stays the same)."""
     instrs = program.instrs
-    need = needs(program)
+    need = needs(program) if need is None else need
     computes = [k for k, i in enumerate(instrs) if i.node.kind is Kind.COMPUTE]
     out: dict[int, int] = {}
     for a, b in zip(computes, computes[1:]):
@@ -77,35 +82,23 @@ def _jumpable(ins: Instr) -> bool:
     return n.kind is Kind.ALL_GATHER and bool(n.attr("for")) and n.attr("purpose") != "tp"
 
 
-@dataclass(frozen=True)
-class _Step:
-    inputs: frozenset[str]
-    needs: tuple[str, ...]  # communication it must see complete: its waits and every async producer of its inputs
-    acc: frozenset[str]
-
-
 class Fillers:
     """Static facts the runtime needs to pick a filler quickly: per instruction what it produces and adds
-    into, per compute step what it reads and which communication must be complete before it runs."""
+    into and whether a filler may pass it; the sink steps; what each needs complete (``needs``)."""
 
     def __init__(self, program: Program, window: int, need: dict[int, tuple[str, ...]]) -> None:
         self.window = window
-        self.program = program
+        self.need = need
         instrs = program.instrs
         self.pos_of = {ins.name: k for k, ins in enumerate(instrs)}
         self.outs = [frozenset(ins.node.outputs) for ins in instrs]
         self.acc = [accumulates(ins) for ins in instrs]
         self.jumpable = [_jumpable(ins) for ins in instrs]
         read = {v for ins in instrs for v in ins.node.inputs}
-        self.steps = {k: _Step(frozenset(instrs[k].node.inputs), n, self.acc[k]) for k, n in need.items()}
-        self.sinks = {k for k in self.steps if self.acc[k] and not set(instrs[k].node.outputs) & read}
+        self.sinks = {k: frozenset(instrs[k].node.inputs) for k in need
+                      if self.acc[k] and not self.outs[k] & read}  # sink position -> what it reads
 
-    def still_read(self, pos: int, k: int, done: set[int] | dict[int, bool]) -> set[str]:
-        """Values read by the instructions from ``pos`` up to (not including) ``k`` that have not run:
-        a filler's last-use values outside this set can be freed as soon as it has run."""
-        return {v for m in range(pos, k) if m not in done for v in self.program.instrs[m].node.inputs}
-
-    def candidates(self, pos: int, done: set[int] | dict[int, bool]) -> Iterator[int]:
+    def candidates(self, pos: int, done: Container[int]) -> Iterator[int]:
         """Sink steps after ``pos`` that may run before it, nearest first: each reads nothing produced
         by ``pos`` or any not-yet-run instruction before it, adds into nothing they add into, needs only
         communication issued before ``pos``, and is reached without passing an instruction that must
@@ -117,13 +110,13 @@ class Fillers:
         for k in range(pos, len(self.outs)):
             if k in done:
                 continue
-            step = self.steps.get(k)
             if k > pos:
-                if step is None and not self.jumpable[k]:
+                if k not in self.need and not self.jumpable[k]:
                     return
-                if step is not None:
-                    if (k in self.sinks and not (step.inputs & produced) and not (step.acc & accs)
-                            and all(self.pos_of[w] < pos for w in step.needs)):
+                if k in self.need:  # a compute step
+                    reads = self.sinks.get(k)
+                    if (reads is not None and not reads & produced and not self.acc[k] & accs
+                            and all(self.pos_of[w] < pos for w in self.need[k])):
                         yield k
                     seen += 1
                     if seen >= self.window:

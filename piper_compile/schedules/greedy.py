@@ -64,11 +64,10 @@ def list_schedule(ranks: int, microbatches: int, split: bool, pair: bool) -> lis
             if state[r].free_at > t:
                 continue
             ready = [x for x in todo if owner[x[1]] == r and all(done.get(d, 1 << 30) <= t for d in _deps(x, stages, split))]
-            group = _pick(ready, state[r], cap, ranks, pair)
+            more_f = any(x[0] == "F" and owner[x[1]] == r for x in todo)
+            group = _pick(ready, state[r], cap, ranks, pair, more_f)
             if not group:
                 continue
-            if split and group[0][0] == "BI" and any(x[0] == "F" and owner[x[1]] == r for x in todo):
-                group = [group[0], ("BW", *group[0][1:])]  # steady state: its weight gradient right after
             for x in group:
                 todo.discard(x)
                 if x[0] == "F":
@@ -93,7 +92,7 @@ def list_schedule(ranks: int, microbatches: int, split: bool, pair: bool) -> lis
     return out
 
 
-def _pick(ready: list[Step], st: _Rank, cap: int, ranks: int, pair: bool) -> list[Step]:
+def _pick(ready: list[Step], st: _Rank, cap: int, ranks: int, pair: bool, more_f: bool) -> list[Step]:
     # Oldest micro-batch first; among forwards the later stage first (drain the V), among backwards too.
     # The in-flight cap only gates micro-batches *entering* the rank (its stage on the way down the V),
     # never the way back up, which would deadlock.
@@ -108,8 +107,8 @@ def _pick(ready: list[Step], st: _Rank, cap: int, ranks: int, pair: bool) -> lis
         return [fwd[0], bi[0]]
     if not pair and can_f and st.last in ("BI", "BW"):  # ZBV steady state: forward and backward alternate
         return [fwd[0]]
-    if bi:
-        return [bi[0]]
+    if bi:  # ZBV with forwards still to come (steady state): its weight gradient right after, in order
+        return [bi[0], ("BW", *bi[0][1:])] if bi[0][0] == "BI" and more_f else [bi[0]]
     if can_f:
         return [fwd[0]]
     if bw:
