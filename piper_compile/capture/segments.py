@@ -185,8 +185,22 @@ def _meta_of(node: fx.Node) -> tuple[tuple[str, ...], str]:
     return (), "sym"
 
 
-def _is_sym(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op != "placeholder"
+def _is_scalar(node: fx.Node) -> bool:
+    """A Python scalar computed in the graph (a size, a symbolic float such as ``sqrt(2 / math.pi)`` from a
+    float Dynamo passed as a 0-dim input, a symbolic bool): never a tensor, so it never travels as one."""
+    val = node.meta.get("val")
+    return node.op != "placeholder" and isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _symexpr(node: fx.Node, symbols: frozenset[str]) -> str | None:
+    """``symexpr:<expression>`` for a size computed from the graph's input symbols (the executor evaluates
+    it from their values); None for anything else (a float, an unbacked size from ``.item()``)."""
+    val = node.meta.get("val")
+    if isinstance(val, int) and not isinstance(val, bool):
+        return f"symexpr:{val}"
+    if isinstance(val, torch.SymInt) and {str(f) for f in val.node.expr.free_symbols} <= symbols:
+        return "symexpr:" + str(val.node.expr).replace(" ", "").replace(",", ";")
+    return None
 
 
 FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket starts communication early
@@ -361,7 +375,12 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
     if remat:
         param_ok = _remat_param_rule(joint, keyed, seg_of, region, passes, derived, bucket_of, chunk_fw)
         rp = plan_remat(joint, region, passes, derived, param_ok, boundary_kind)
-    by_key = {key: _build_segment(joint, key, nodes, seg_of, out_node, derived, rp) for key, nodes in keyed.items()}
+    symbols = frozenset(str(s.symbol) for s in joint.inputs if s.symbol is not None)
+    built = {key: _segment_graph(joint, key, nodes, derived, rp, region, symbols) for key, nodes in keyed.items()}
+    # a value is a segment output exactly when another segment reads it (after recomputation decided what
+    # each segment reads: a recomputed value's own inputs are read by the backward segments that copy it)
+    read = {v for _, _, inputs in built.values() for v in inputs}
+    by_key = {key: _build_segment(joint, key, nodes, *built[key], read, out_node) for key, nodes in keyed.items()}
     _check_acyclic(by_key, seg_of)
     return list(by_key.values())
 
@@ -408,13 +427,21 @@ def _getitems_with_producer(keyed: dict[Any, list[fx.Node]], gm: fx.GraphModule)
     return out
 
 
-def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node],
-                   seg_of: dict[str, Any], out_node: fx.Node, derived: set[str], remat: RematPlan) -> Segment:
-    pass_, reg, chunk = key
+def _segment_graph(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node], derived: set[str],
+                   remat: RematPlan, region: dict[str, Region],
+                   symbols: frozenset[str]) -> tuple[fx.Graph, dict[fx.Node, fx.Node], list[str]]:
+    """The graph of one segment without its output: ``nodes`` copied, parameter-only values (and in a
+    backward segment the recomputed activations) copied in from their inputs, every other value read from
+    outside a placeholder. Returns the graph, the node map and the value names of the placeholders.
+
+    Scalars are never received from another region (which may run on other ranks, and a RECV carries
+    tensors): sizes of the input symbols are recomputed from the symbol values (``symexpr:``), any other
+    scalar (``sqrt(2 / math.pi)`` of GPT-2's GELU, from a float Dynamo passed as a 0-dim input) by copying
+    its computation here. Within a region a non-size scalar is handed over as the Python value it is."""
+    backward = key[0] != "F"
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[str] = []
-    backward = pass_ != "F"
 
     def load(a: fx.Node) -> fx.Node:
         if a in env:
@@ -422,10 +449,11 @@ def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
         if a.name in derived or (backward and remat.recomputes(a.name)):  # recomputed here, not received
             env[a] = g.node_copy(a, load)
             return env[a]
-        if _is_sym(a):
-            # SymInts are never shipped between segments: recompute from the symbol values.
-            value = "symexpr:" + str(a.meta["val"].node.expr).replace(" ", "").replace(",", ";")
-        else:
+        value = _symexpr(a, symbols) if _is_scalar(a) else None
+        if value is None and _is_scalar(a) and region.get(a.name) != key[1]:
+            env[a] = g.node_copy(a, load)
+            return env[a]
+        if value is None:
             value = _value(a, joint)
         ph = g.placeholder(f"in{len(inputs)}")
         ph.meta.update(a.meta)
@@ -439,13 +467,19 @@ def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
             if a.name not in member:
                 load(a)
         env[n] = g.node_copy(n, lambda a: env[a])
+    return g, env, inputs
+
+
+def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node], g: fx.Graph,
+                   env: dict[fx.Node, fx.Node], inputs: list[str], read: set[str], out_node: fx.Node) -> Segment:
+    """Finish a segment from :func:`_segment_graph`: its outputs are its values some other segment reads
+    (``read``: every segment's input values) and the joint graph's outputs (loss, gradients)."""
+    pass_, reg, chunk = key
     outputs: list[str] = []
     out_nodes: list[fx.Node] = []
     out_meta: dict[str, tuple[tuple[str, ...], str]] = {}
     for n in nodes:
-        used_outside = any(u is out_node or (seg_of.get(u.name) != key and not (
-            remat.recomputes(n.name) and seg_of.get(u.name, ("F",))[0] != "F")) for u in n.users)
-        if used_outside and not _is_sym(n):
+        if n.name in read or out_node in n.users:
             outputs.append(n.name)
             out_nodes.append(env[n])
             out_meta[n.name] = _meta_of(n)

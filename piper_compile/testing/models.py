@@ -199,7 +199,39 @@ class SharedNormMLP(nn.Module):
         return torch.randn(n, self.seq, d, generator=gen), torch.randn(n, self.seq, d, generator=gen)
 
 
-MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP}
+def gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    """GPT-2's ``NewGELUActivation``, written out as transformers does."""
+    return 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+class TanhGELUMLP(nn.Module):
+    """``depth`` Linear layers each followed by GPT-2's tanh GELU, then ``Linear(hidden, classes)`` and
+    cross-entropy. Two capture corner cases of transformers models in a few lines: the backward keeps
+    ``tanh`` (as a detached alias) and the forward reads it again in ``1 + tanh`` (remat), and under
+    ``dynamic=True`` Dynamo passes ``math.pi`` as a 0-dim input, so ``sqrt(2 / pi)`` is a symbolic float
+    computed in the first layer's region and used by every layer's (pipeline stages)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, classes: int = 4, depth: int = 1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim if i == 0 else hidden, hidden) for i in range(depth))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = gelu_tanh(layer(x))
+        return F.cross_entropy(self.head(x), y)
+
+    def annotate_stages(self, stages: int) -> None:
+        for i, layer in enumerate(self.layers):
+            annotate(layer, PP=i * stages // len(self.layers))
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(n, self.layers[0].in_features, generator=gen)
+        return x, torch.randint(0, self.head.out_features, (n,), generator=gen)
+
+
+MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
+          "gelu_tanh": TanhGELUMLP}
 
 
 def build_model(name: str, seed: int = 0, **kwargs: object) -> nn.Module:

@@ -74,3 +74,15 @@ def test_inductor_pp2_1f1b_gpt():
     cfg = RunConfig(model="gpt", model_kwargs={"layers": 2}, stages=2, directives=_pp(2, 2, "1f1b"),
                     codegen="inductor")
     run_parity(cfg, 2, rtol=1e-4, atol=1e-5)
+
+
+def test_dp2_tanh_gelu_with_default_remat():
+    """GPT-2's tanh GELU under the default remat=True (was: ``piper: internal: rank 1 has no value tanh``)."""
+    run_parity(RunConfig(model="gelu_tanh", directives=[piper.replicate()]), 2)
+
+
+def test_pp2_symbolic_float_constant_across_stages():
+    """``math.sqrt(2 / math.pi)`` is a symbolic float made in stage 0's region and used by stage 1: computed
+    there again, not received (was: ``AttributeError: module 'torch' has no attribute 'sym'``)."""
+    cfg = RunConfig(model="gelu_tanh", model_kwargs={"depth": 2}, stages=2, directives=_pp(2, 2, "1f1b"))
+    run_parity(cfg, 2)
