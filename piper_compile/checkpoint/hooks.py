@@ -1,0 +1,143 @@
+"""``nn.Module`` ``state_dict`` / ``load_state_dict`` hooks, installed once a run's state is sharded
+(ZeRO, released pipeline stages, expert / tensor-parallel pieces): ``model.state_dict()`` returns full
+tensors and ``model.load_state_dict(full)`` updates the shards."""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from piper_compile.checkpoint.layout import HOOKS_OFF, ctx_of, groups_of
+from piper_compile.checkpoint.state_dict import full_values
+from piper_compile.runtime import state as _state_mod
+from piper_compile.runtime.zero import ensure_storage, free_storage
+
+
+def _names(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+    for name, p in module.named_parameters(remove_duplicate=False):
+        yield prefix + name, p
+
+
+def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """ZeRO-3: the module's parameters have no storage; put full tensors, all-gathered from the shards,
+    in their place (a collective over each ZeRO-3 bucket's group)."""
+    z = st.zero
+    if HOOKS_OFF[0]:
+        return
+    if st.released:  # other stages' parameters were released: fetch every value from its owners
+        cs = next(c for c in st.steps if c.plans)
+        vals = full_values(ctx_of(st, cs, module))  # a collective over the world
+        by_id = {id(p): f for f, p in st.named.items()}
+        for key, p in _names(module, prefix):
+            if id(p) in by_id and key in sd:
+                sd[key] = vals[by_id[id(p)]]
+        return
+    if z is None or not z.sharded:
+        return
+    z3 = [z.buckets[n] for n in sorted(z.buckets) if z.buckets[n].level >= 3]
+    if not z3:
+        return
+    groups = groups_of(st)
+    full: dict[int, torch.Tensor] = {}
+    for b in z3:
+        for f, v in b.views(z.full_flat(b.name, groups)).items():
+            full[id(st.named[f])] = v.clone()
+    for key, p in _names(module, prefix):
+        if id(p) in full and key in sd:
+            sd[key] = full[id(p)]
+
+
+def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
+    """ZeRO-3: give the parameters storage (holding this rank's pieces) so load_state_dict can copy;
+    released parameters (other stages', and expert / tensor-parallel weights, of which a rank holds a
+    piece) get storage for the copy too (a split weight holding this rank's piece in its place, so that a
+    key the state dict lacks keeps it)."""
+    for f in sorted(st.released):
+        ensure_storage(st.named[f])
+    with torch.no_grad():
+        for f, sh in sorted(st.shards.items()):
+            if f in st.released:
+                st.named[f].zero_()
+                sh.put(st.named[f])
+    z = st.zero
+    if z is None or not z.sharded:
+        return
+    with torch.no_grad():
+        for b in (z.buckets[n] for n in sorted(z.buckets)):
+            if b.level < 3:
+                continue
+            for f in b.fqns:
+                if ensure_storage(st.named[f]):
+                    st.named[f].zero_()
+            src = b.shard.detach()
+            for f, p_start, s_start, n in b.local_pieces():
+                st.named[f].view(-1)[p_start:p_start + n].copy_(src[s_start:s_start + n])
+
+
+def _load_post_hook(st: Any, module: nn.Module, incompatible: Any) -> None:
+    """The loaded full parameters into this rank's shards; ZeRO-3 and released parameters lose their
+    storage again; expert and tensor-parallel pieces take theirs from the loaded full weights."""
+    with torch.no_grad():
+        for f, sh in sorted(st.shards.items()):
+            if f in st.released and st.named[f].untyped_storage().nbytes():
+                sh.param.copy_(sh.spec.take(st.named[f], sh.rank))
+    for f in sorted(st.released):
+        if st.named[f].untyped_storage().nbytes():
+            free_storage(st.named[f])
+    z = st.zero
+    if z is None or not z.sharded:
+        return
+    with torch.no_grad():
+        for b in (z.buckets[n] for n in sorted(z.buckets)):
+            dst = b.shard.detach()
+            if b.level >= 3:
+                for f, p_start, s_start, n in b.local_pieces():
+                    dst[s_start:s_start + n].copy_(st.named[f].view(-1)[p_start:p_start + n])
+                for f in b.fqns:
+                    if st.named[f].untyped_storage().nbytes():
+                        free_storage(st.named[f])
+            elif b.flat is not None:
+                lo, hi = b.shard_range()
+                if dst.data_ptr() != b.flat[lo:hi].data_ptr():
+                    dst.copy_(b.flat[lo:hi])
+
+
+def install_hooks(st: Any, module: nn.Module) -> None:
+    """Once per model, when its state is sharded (ZeRO): ``model.state_dict()`` returns full tensors
+    (ZeRO-3: all-gathered on demand, so every rank of a ZeRO group must call it together) and
+    ``model.load_state_dict(full)`` also updates the shards."""
+    if st.hooks_installed or ((st.zero is None or not st.zero.sharded or not st.zero.buckets) and not st.released):
+        return
+    st.hooks_installed = True
+    module.register_state_dict_post_hook(functools.partial(_state_dict_hook, st))
+    module.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, st))
+    module.register_load_state_dict_post_hook(functools.partial(_load_post_hook, st))
+
+
+def _caller_module(st: Any) -> nn.Module | None:
+    """The module whose compiled forward is making this call: the innermost calling frame whose ``self``
+    is an nn.Module holding every parameter of the state (Dynamo runs the compiled forward in the
+    module's own frame)."""
+    ids = {id(p) for p in st.params}
+    f = sys._getframe(1)
+    for _ in range(24):
+        if f is None:
+            break
+        m = f.f_locals.get("self") if "self" in f.f_code.co_varnames else None
+        if isinstance(m, nn.Module) and ids <= {id(p) for p in m.parameters()}:
+            return m
+        f = f.f_back
+    return None
+
+
+def _on_sharded(st: Any, cs: Any) -> None:
+    if ((st.zero is not None and st.zero.buckets) or st.released) and not st.hooks_installed:
+        module = _caller_module(st)
+        if module is not None:
+            install_hooks(st, module)
+
+
+_state_mod.ON_SHARDED.append(_on_sharded)
