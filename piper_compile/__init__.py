@@ -13,6 +13,34 @@ import torch.fx.experimental._config as _fx_config
 if hasattr(_fx_config, "use_duck_shape"):
     _fx_config.use_duck_shape = False
 
+
+class _WithOnceLoggers(set):
+    """Dynamo's ``ignore_logging_functions`` plus transformers' lru-cached ``warning_once`` / ``info_once``,
+    looked up on ``logging.Logger`` each time Dynamo asks (transformers may be imported after piper, and
+    ``torch._dynamo.reset()`` keeps config). transformers calls them inside ``forward`` (GPT-2 with
+    ``labels=``: "`loss_type=None` was set in the config but it is unrecognized"), and Dynamo cannot trace a
+    logging call: ``fullgraph=True`` failed with ``Unsupported: logging.Logger method not supported``.
+    Skipped, a message meant to print once is not printed while compiled."""
+
+    @staticmethod
+    def _once() -> set:
+        import logging
+
+        return {fn for fn in map(logging.Logger.__dict__.get, ("warning_once", "info_once")) if fn is not None}
+
+    def __contains__(self, fn: object) -> bool:
+        return set.__contains__(self, fn) or (getattr(fn, "__hash__", None) is not None and fn in self._once())
+
+    def __iter__(self):  # noqa: ANN204 - Dynamo's variable builder iterates the set
+        return iter(set(set.__iter__(self)) | self._once())
+
+
+import torch._dynamo.config as _dynamo_config  # noqa: E402
+
+if hasattr(_dynamo_config, "ignore_logging_functions") and not isinstance(
+        _dynamo_config.ignore_logging_functions, _WithOnceLoggers):
+    _dynamo_config.ignore_logging_functions = _WithOnceLoggers(_dynamo_config.ignore_logging_functions)
+
 from piper_compile import schedules  # noqa: E402
 from piper_compile.api import (  # noqa: E402
     StaticPlan, compiled_steps, explain, last_stats, optimizer, plan, trained_parameters,

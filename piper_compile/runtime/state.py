@@ -19,6 +19,7 @@ from piper_compile.errors import PiperError
 from piper_compile.ir.dag import Kind
 from piper_compile.ir.shard import ParamShard
 from piper_compile.plan.program import Program
+from piper_compile.runtime.optimizer import build_optimizer, step_checked
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -43,21 +44,6 @@ def keep_host_heap(mmap_bytes: int = 32 << 20, trim_bytes: int = 64 << 20) -> bo
         return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
     except (OSError, AttributeError):
         return False
-
-
-def build_optimizer(factory: Callable[..., torch.optim.Optimizer], params: list[nn.Parameter]) -> Any:
-    """``factory(params)``, asking for the fused implementation (one kernel per step over each tensor
-    instead of a dozen passes; AdamW over a 3.5M-parameter GPT on one CPU thread: ~10 ms instead of
-    ~22 ms for the default per-tensor loop and ~40 ms for foreach) when the factory does not choose an
-    implementation itself and the optimizer accepts ``fused=True`` for these parameters; otherwise, or if
-    the user set ``fused``/``foreach`` (e.g. ``functools.partial(AdamW, foreach=True)``), as given."""
-    chosen = isinstance(factory, functools.partial) and bool({"fused", "foreach"} & set(factory.keywords))
-    if not chosen and os.environ.get("PIPER_FUSED_OPTIMIZER", "1") != "0":
-        try:
-            return factory(params, fused=True)
-        except (TypeError, RuntimeError, ValueError):  # no fused kernel for this optimizer/device/dtype
-            pass
-    return factory(params)
 
 
 @dataclass
@@ -505,6 +491,6 @@ class TrainState:
                 g.mul_(coef.to(g.dtype))
         for p, g in pairs:
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-        opt.step()
+        step_checked(opt, [p for p, _ in pairs])  # raises if the first update with a nonzero gradient moved nothing
         for p, _ in pairs:
             p.grad = None

@@ -17,6 +17,8 @@ constants (guarded) and every segment compiles.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -180,8 +182,116 @@ def make_batch(n: int, generator: torch.Generator, vocab: int = 128, seq: int = 
     return full[:, :-1].contiguous(), full[:, 1:].contiguous()
 
 
+# Tiny random configs of other transformers families, built as a new user would (``XForY(config)``, the
+# attention implementation transformers picks by default). Dropout off (random ops differ between ranks and
+# the reference). Decoder LMs share _DECODER; the overrides are what makes each family itself.
+_DECODER: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                use_cache=False)
+_ENCODER: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers model family: its config and model classes and a tiny config."""
+
+    config: str  # transformers config class
+    model: str  # transformers model class
+    kwargs: dict[str, Any]
+    inputs: str = "tokens"  # "tokens" (input_ids, next-token targets) | "image" (pixel_values, class labels)
+
+
+FAMILIES: dict[str, Family] = {
+    "mistral": Family("MistralConfig", "MistralForCausalLM", {**_DECODER, "sliding_window": 4}),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", _DECODER),
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM",  # tied embeddings, logit soft-capping, local layers
+                     {**_DECODER, "head_dim": 16, "sliding_window": 4, "tie_word_embeddings": True}),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM",
+                     {**_DECODER, "head_dim": 16, "sliding_window": 4, "tie_word_embeddings": True,
+                      "layer_types": ["sliding_attention", "full_attention"]}),
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", _DECODER),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", {**_DECODER, "pad_token_id": 0, "bos_token_id": 1,
+                                                     "eos_token_id": 2}),
+    "gpt2": Family("GPT2Config", "GPT2LMHeadModel",  # tied lm_head, tanh GELU, Conv1D projections
+                   dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)),
+    "gpt_neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM",  # parallel residual, partial rotary
+                       dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
+                            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)),
+    "bert": Family("BertConfig", "BertForMaskedLM", {**_ENCODER, "vocab_size": 128, "max_position_embeddings": 64}),
+    "vit": Family("ViTConfig", "ViTForImageClassification",
+                  {**_ENCODER, "image_size": 8, "patch_size": 4, "num_channels": 3, "num_labels": 4}, inputs="image"),
+    "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",  # MLA attention, routed + shared experts
+                          {**_DECODER, "num_key_value_heads": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 0,
+                           "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2,
+                           "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                           "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8}),
+}
+
+
+def build_family(family: str, seed: int | None = 0, adapt: bool = True, **overrides: Any) -> nn.Module:
+    """A randomly initialised model of ``family`` (a key of :data:`FAMILIES`; fp32, train mode), its MoE blocks
+    swapped by :func:`piper_compile.nn.hf.adapt_moe` when ``adapt``."""
+    import transformers
+
+    from piper_compile.nn.hf import adapt_moe
+
+    fam = FAMILIES[family]
+    if seed is not None:
+        torch.manual_seed(seed)
+    cfg = getattr(transformers, fam.config)(**{**fam.kwargs, **overrides})
+    model = getattr(transformers, fam.model)(cfg).float().train()
+    return adapt_moe(model) if adapt else model
+
+
+class HFLoss(nn.Module):
+    """``forward(x, labels)`` -> the cross-entropy of a :data:`FAMILIES` model: next-token targets aligned
+    with the positions for token models (as :class:`LlamaLoss`), class labels for image models.
+    ``hf_loss=True`` passes ``labels=`` to the model instead (its own loss)."""
+
+    def __init__(self, family: str, seq: int = 16, hf_loss: bool = False, seed: int | None = None,
+                 adapt: bool = True, **config: Any) -> None:
+        super().__init__()
+        self.model = build_family(family, seed=seed, adapt=adapt, **config)
+        self.family, self.seq, self.hf_loss = family, seq, hf_loss
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        key = "pixel_values" if FAMILIES[self.family].inputs == "image" else "input_ids"
+        if self.hf_loss:
+            return self.model(**{key: x}, labels=labels).loss
+        logits = self.model(**{key: x}).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+    def annotate_stages(self, stages: int) -> None:
+        layers = transformer_layers(self.model)
+        for i, layer in enumerate(layers):
+            annotate(layer, PP=i * stages // len(layers))
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.model.config
+        if FAMILIES[self.family].inputs == "image":
+            size = (n, cfg.num_channels, cfg.image_size, cfg.image_size)
+            return torch.randn(size, generator=gen), torch.randint(0, cfg.num_labels, (n,), generator=gen)
+        ids, targets = make_batch(n, gen, vocab=cfg.vocab_size, seq=self.seq)
+        return (ids, ids.clone()) if self.hf_loss else (ids, targets)
+
+
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``ModuleList`` of a transformers model's ``config.num_hidden_layers`` blocks (``model.layers``,
+    ``transformer.h``, ``encoder.layer``, ...)."""
+    n = model.config.num_hidden_layers
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+            return mod
+    raise ValueError(f"piper: no ModuleList of {n} layers in {type(model).__name__}")
+
+
 _models.MODELS.setdefault("llama", LlamaLoss)
 _models.MODELS.setdefault("qwen3moe", Qwen3MoeLoss)
+for _name in FAMILIES:
+    _models.MODELS.setdefault(_name, functools.partial(HFLoss, _name))
 
 
 def hf_worker(rank: int, world: int, cfg: Any) -> dict[str, Any]:

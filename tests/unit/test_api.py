@@ -116,7 +116,7 @@ def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch):
 
 
 def test_optimizer_uses_the_fused_implementation_unless_the_user_chose_one():
-    from piper_compile.runtime.state import build_optimizer
+    from piper_compile.runtime.optimizer import build_optimizer
 
     params = [torch.nn.Parameter(torch.randn(4, 4))]
     assert build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-3), params).defaults["fused"] is True

@@ -1,0 +1,29 @@
+"""transformers models compiled as a new user would: what Dynamo meets inside their ``forward``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import piper_compile as piper
+
+pytest.importorskip("transformers")
+from piper_compile.testing.hf import HFLoss  # noqa: E402
+
+
+def test_gpt2_with_labels_compiles_despite_warning_once():
+    """GPT-2 called with ``labels=`` logs through transformers' ``logger.warning_once`` inside ``forward``;
+    Dynamo used to stop there (``Unsupported: logging.Logger method not supported``). piper has Dynamo skip
+    transformers' once-only logging methods; the step trains as eager does."""
+    model = HFLoss("gpt2", seed=0, hf_loss=True)
+    ref = copy.deepcopy(model)
+    x, y = model.make_batch(4, torch.Generator().manual_seed(0))
+    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
+                         options={"codegen": "eager", "directives": [piper.split(2)]})
+    loss = step(x, y)
+    want = ref(x[:2], y[:2]) / 2 + ref(x[2:], y[2:]) / 2
+    want.backward()
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
