@@ -161,7 +161,7 @@ def write_record(tmp: str, save_id: str, world_size: int) -> dict[str, Any]:
         os.fsync(f.fileno())
     os.replace(side, os.path.join(tmp, RECORD))
     fsync_dir(tmp)
-    verify(tmp, allow_uncommitted=True)
+    verify(tmp)
     return record
 
 
@@ -227,10 +227,10 @@ def read_record(d: str) -> dict[str, Any] | None:
     return record
 
 
-def verify(d: str, allow_uncommitted: bool = False) -> Any:
+def verify(d: str) -> Any:
     """Check that ``d`` is a complete checkpoint; return its DCP metadata. With a commit record: every file
-    it lists exists with its recorded size. Without one: not a temporary directory of a save (unless
-    ``allow_uncommitted``), and DCP's ``.metadata`` exists. Either way every file ``.metadata`` locates data
+    it lists exists with its recorded size. Without one: not a temporary directory of a save, and DCP's
+    ``.metadata`` exists. Either way every file ``.metadata`` locates data
     in exists and is long enough."""
     record = read_record(d)
     if record is not None:
@@ -243,7 +243,7 @@ def verify(d: str, allow_uncommitted: bool = False) -> Any:
                 bad.append(f"{name} has {os.path.getsize(p)} bytes, the commit record says {size}")
         if bad:
             raise _incomplete(d, "its files do not match its commit record: " + _some(bad))
-    elif not allow_uncommitted and _TMP.fullmatch(os.path.basename(d)):
+    elif _TMP.fullmatch(os.path.basename(d)):
         raise _incomplete(d, f"it is the temporary directory of a save that did not commit (no {RECORD})")
     if not os.path.isfile(os.path.join(d, _METADATA)):
         raise _incomplete(d, f"it has no {_METADATA} (DCP writes it after every rank's data), so the save that "
