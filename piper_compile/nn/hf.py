@@ -1,8 +1,9 @@
 """Hugging Face ``transformers`` MoE blocks made capturable and expert parallel, without editing transformers.
 
-transformers' sparse MoE blocks (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``) compute their
-experts with a Python loop over the experts that were hit (``expert_hit = (...).nonzero()``, then
-``torch.where`` per expert): data-dependent control flow and shapes. Dynamo cannot trace that into one
+transformers' sparse MoE blocks (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``DeepseekV3MoE``)
+compute their experts with a Python loop over the experts that were hit (``expert_hit = (...).nonzero()``,
+then ``torch.where`` per expert; DeepSeek-V3 branches on ``token_indices.numel() > 0``): data-dependent
+control flow and shapes. Dynamo cannot trace that into one
 graph -- with ``fullgraph=True`` the first call fails inside transformers, before piper sees anything::
 
     torch._dynamo.exc.UserError: Could not extract specialized integer from data-dependent expression u0
@@ -24,6 +25,7 @@ transformers' parameter names (per-expert ``gate_proj`` / ``up_proj`` / ``down_p
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +53,12 @@ class _Spec:
     gate: str  # expert projection names: x -> act(gate(x)) * up(x) -> down
     up: str
     down: str
-    norm_topk: str | None  # attribute holding norm_topk_prob; None: always renormalised (Mixtral)
-    jitter: str | None  # attribute holding the training-time input jitter (Mixtral)
+    norm_topk: str | None = None  # attribute holding norm_topk_prob; None: always renormalised (Mixtral)
+    jitter: str | None = None  # attribute holding the training-time input jitter (Mixtral)
+    # "softmax": ``gate`` is an nn.Linear, softmax then top-k in the adapted forward (Qwen3-MoE, Mixtral);
+    # "module": ``gate(x)`` is transformers' own router module returning (expert indices, weights) (DeepSeek-V3)
+    router: str = "softmax"
+    shared: str | None = None  # attribute of a dense MLP every token also goes through (DeepSeek-V3)
 
 
 _SPECS = (
@@ -60,6 +66,8 @@ _SPECS = (
           "down_proj", norm_topk="norm_topk_prob", jitter=None),
     _Spec("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", "w1", "w3", "w2",
           norm_topk=None, jitter="jitter_noise"),
+    _Spec("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", "gate_proj", "up_proj", "down_proj",
+          router="module", shared="shared_experts"),
 )
 
 
@@ -77,9 +85,9 @@ def _hf_classes() -> list[tuple[type, _Spec]]:
 
 
 class StackedMoE(nn.Module):
-    """Mixin of the adapted blocks: the router (``gate``, the HF block's own ``nn.Linear``) and the expert
-    weights stacked as ``w_gate [E, D, H]``, ``w_up [E, D, H]``, ``w_down [E, H, D]`` (``x @ w``, i.e. the
-    transposed ``nn.Linear`` weights).
+    """Mixin of the adapted blocks: the router (``gate``, the HF block's own ``nn.Linear`` or router module),
+    the expert weights stacked as ``w_gate [E, D, H]``, ``w_up [E, D, H]``, ``w_down [E, H, D]`` (``x @ w``,
+    i.e. the transposed ``nn.Linear`` weights) and, for DeepSeek-V3, the block's own ``shared_experts``.
 
     The adapted class derives from it *and* from the transformers class it replaces (so transformers'
     ``isinstance`` checks -- e.g. the ``output_router_logits`` recorder -- still find it), but is built
@@ -93,9 +101,11 @@ class StackedMoE(nn.Module):
         spec = cls.spec
         experts = list(block.experts)
         where = name or type(block).__name__
-        if len(experts) != block.num_experts:
+        router = block.gate
+        expected = block.num_experts if spec.router == "softmax" else router.n_routed_experts
+        if len(experts) != expected:
             raise UnsupportedMoEError(f"piper: {where} ({type(block).__name__}) has {len(experts)} expert modules "
-                                      f"but num_experts={block.num_experts}")
+                                      f"but the router chooses among {expected}")
         for e, ex in enumerate(experts):
             act = getattr(ex, "act_fn", None)
             if not _is_silu(act):
@@ -110,10 +120,17 @@ class StackedMoE(nn.Module):
                                               f"({type(lin).__name__}); adapt_moe cannot stack it")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.num_experts, new.top_k = block.num_experts, block.top_k
-        new.norm_topk_prob = bool(getattr(block, spec.norm_topk)) if spec.norm_topk else True
+        new.num_experts, new.top_k = expected, (block.top_k if spec.router == "softmax" else router.top_k)
+        if spec.norm_topk:
+            new.norm_topk_prob = bool(getattr(block, spec.norm_topk))
+        else:  # Mixtral: always; DeepSeek-V3: its router applies its own setting (shown in extra_repr)
+            new.norm_topk_prob = bool(getattr(router, "norm_topk_prob", True))
         new.jitter_noise = float(getattr(block, spec.jitter)) if spec.jitter else 0.0
-        new.gate = block.gate  # the same router module and parameter
+        new.gate = router  # the same router module, parameter (and DeepSeek-V3's score-correction buffer)
+        if spec.shared:
+            new.shared_experts = getattr(block, spec.shared)  # the same dense MLP
+        if hasattr(block, "config"):
+            new.config = block.config
 
         def stacked(proj: str) -> nn.Parameter:
             ws = [getattr(ex, proj).weight for ex in experts]
@@ -124,9 +141,12 @@ class StackedMoE(nn.Module):
         new.train(block.training)
         return new
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor) -> Any:
         """transformers' sparse MoE forward, the expert loop replaced by one ``piper::moe_experts``:
-        returns ``(hidden_states [B, S, D], router_logits [B*S, E])`` like the block it replaces."""
+        returns ``(hidden_states [B, S, D], router_logits [B*S, E])`` like the Qwen3-MoE / Mixtral block it
+        replaces, the hidden states alone for DeepSeek-V3."""
+        if self.spec.router == "module":
+            return self._forward_routed(hidden_states)
         batch, seq, dim = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # Mixtral multiplies in place; same values, out of place
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
@@ -142,9 +162,24 @@ class StackedMoE(nn.Module):
         out = (y * weights.unsqueeze(-1)).sum(dim=1)
         return out.reshape(batch, seq, dim), router_logits
 
+    def _forward_routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3: transformers' router module picks the experts and their weights (sigmoid scores plus
+        the score-correction bias, the best ``topk_group`` of ``n_group`` groups, top-k, renormalised when
+        ``norm_topk_prob``, times ``routed_scaling_factor``); the weighted expert outputs are summed in the
+        weights' dtype (float32), cast back, and the shared experts' output is added."""
+        shape = hidden_states.shape
+        idx, weights = self.gate(hidden_states)
+        flat = hidden_states.reshape(-1, shape[-1])
+        y = moe_experts(flat, idx, self.w_gate, self.w_up, self.w_down)  # [N, k, D], unweighted
+        out = (y * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype).reshape(shape)
+        if self.spec.shared:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
     def extra_repr(self) -> str:
         e, d, h = self.w_gate.shape
         return (f"experts={e}, top_k={self.top_k}, dim={d}, hidden={h}, norm_topk_prob={self.norm_topk_prob}"
+                f"{', shared experts' if self.spec.shared else ''}"
                 f"{f', jitter_noise={self.jitter_noise}' if self.jitter_noise else ''} "
                 f"(replaces {self.hf_class.__name__})")
 
@@ -186,20 +221,51 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module, type, _Spec]]:
     return out
 
 
+_MOE_CLASS_NAME = re.compile(r"(MoE|Moe)(Block|Layer)?$|SparseMLP$")
+
+
+def _moe_like(mod: nn.Module) -> bool:
+    """A mixture-of-experts block: it has an ``experts`` submodule (a list of expert MLPs or one module of
+    stacked expert weights), or its class is named like one (``...MoE``, ``...MoeBlock``, ``...MoELayer``,
+    ``...SparseMLP``). piper's own :class:`piper_compile.nn.MoE` and the adapted blocks are shardable as
+    they are."""
+    from piper_compile.nn.moe import MoE
+
+    if isinstance(mod, (StackedMoE, MoE)):
+        return False
+    return isinstance(getattr(mod, "experts", None), nn.Module) or bool(_MOE_CLASS_NAME.search(type(mod).__name__))
+
+
+def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost MoE-like blocks of ``model`` (see :func:`_moe_like`) not adapted yet, in module order."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, mod in model.named_modules():
+        if any(name.startswith(f"{outer}.") for outer, _ in out if outer) or (out and out[0][0] == ""):
+            continue
+        if _moe_like(mod):
+            out.append((name, mod))
+    return out
+
+
 def unadapted_moe_blocks(model: nn.Module) -> list[str]:
-    """Qualified names (and classes) of the transformers MoE blocks in ``model`` that :func:`adapt_moe`
-    has not replaced yet, e.g. ``["model.layers.0.mlp (Qwen3MoeSparseMoeBlock)"]``: blocks Dynamo cannot
-    capture with ``fullgraph=True`` (data-dependent expert loop) and piper could not shard."""
-    return [f"{name} ({type(mod).__name__})" for name, mod, _, _ in _blocks(model)]
+    """Qualified names (and classes) of the mixture-of-experts blocks in ``model`` that are not
+    :class:`StackedMoE` yet, e.g. ``["model.layers.0.mlp (Qwen3MoeSparseMoeBlock)"]``: every block with an
+    ``experts`` submodule or a class named like a MoE block (``...MoE``, ``...SparseMoeBlock``), whether
+    :func:`adapt_moe` can adapt it or not. Dynamo cannot capture most of them with ``fullgraph=True``
+    (data-dependent expert loops) and piper cannot shard their experts."""
+    return [f"{name} ({type(mod).__name__})" for name, mod in _moe_blocks(model)]
 
 
 def adapt_moe(model: nn.Module) -> nn.Module:
-    """Replace every ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` in ``model`` (in place) by a
-    :class:`StackedMoE` with the same single-device math -- router ``gate`` (the same ``nn.Linear``),
-    softmax in float32, top-k, renormalisation when ``norm_topk_prob`` (always for Mixtral), weights cast
-    back to the input dtype, SwiGLU experts, weighted sum -- its experts computed by one
-    ``piper::moe_experts`` op over expert weights stacked from the experts' ``gate_proj`` / ``up_proj`` /
-    ``down_proj`` (Mixtral: ``w1`` / ``w3`` / ``w2``). Returns ``model``.
+    """Replace every ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock`` / ``DeepseekV3MoE`` in ``model``
+    (in place) by a :class:`StackedMoE` with the same single-device math -- router ``gate`` (the same
+    ``nn.Linear``), softmax in float32, top-k, renormalisation when ``norm_topk_prob`` (always for
+    Mixtral), weights cast back to the input dtype, SwiGLU experts, weighted sum; for DeepSeek-V3 its own
+    router module (sigmoid scores, score-correction bias, grouped top-k, ``routed_scaling_factor``), the
+    weighted sum in float32, plus its shared experts -- its experts computed by one ``piper::moe_experts``
+    op over expert weights stacked from the experts' ``gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral:
+    ``w1`` / ``w3`` / ``w2``). Returns ``model``. Other MoE-like blocks (:func:`unadapted_moe_blocks`) stay
+    as they are, with a warning naming them.
 
     Each adapted block is annotated ``EP=<decoder layer index>`` (from its name ``...layers.<i>...``; the
     block's ordinal when a name has none), so ``piper.shard({"EP": "*"})`` with ``piper.replicate()``
@@ -216,6 +282,13 @@ def adapt_moe(model: nn.Module) -> nn.Module:
     (:class:`UnsupportedMoEError` names the module otherwise). Single-device outputs match transformers'
     up to floating-point summation order (exact for ``top_k <= 2``)."""
     blocks = _blocks(model)
+    adaptable = {id(mod) for _, mod, _, _ in blocks}
+    others = [f"{name} ({type(mod).__name__})" for name, mod in _moe_blocks(model) if id(mod) not in adaptable]
+    if others:
+        known = ", ".join(spec.cls for spec in _SPECS)
+        warnings.warn(f"piper: adapt_moe has no adapter for the MoE block(s) {others}; they stay as they are (not "
+                      f"expert parallel, and Dynamo may not capture them with fullgraph=True). Adapted classes: "
+                      f"{known}", stacklevel=2)
     if not blocks:
         return model
     indices = [_layer_index(name) for name, *_ in blocks]

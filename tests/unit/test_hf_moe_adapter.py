@@ -1,4 +1,4 @@
-"""``piper_compile.nn.hf.adapt_moe``: transformers' sparse MoE blocks (Qwen3-MoE, Mixtral) swapped for
+"""``piper_compile.nn.hf.adapt_moe``: transformers' sparse MoE blocks (Qwen3-MoE, Mixtral, DeepSeek-V3) swapped for
 ``piper::moe_experts`` blocks give the same logits, loss, router aux loss and gradients on one device (fp32)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from piper_compile.nn.hf import (StackedMoE, UnsupportedMoEError, adapt_moe, hf_state_dict,  # noqa: E402
                                  unadapted_moe_blocks)
-from piper_compile.testing.hf import build_qwen3_moe, make_batch  # noqa: E402
+from piper_compile.testing.hf import build_family, build_qwen3_moe, make_batch  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -36,7 +36,7 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, **kw:
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, use_cache=False, **kw)
     loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
-    if out.aux_loss is not None:
+    if getattr(out, "aux_loss", None) is not None:
         loss = loss + 0.01 * out.aux_loss
     loss.backward()
     return out, loss
@@ -48,7 +48,9 @@ def _expert_grads(model: torch.nn.Module, names: tuple[str, str, str]) -> dict[s
     for name, mod in model.named_modules():
         if hasattr(mod, "experts") and not isinstance(mod, StackedMoE):
             for stacked, proj in zip(("w_gate", "w_up", "w_down"), names):
-                out[f"{name}.{stacked}"] = torch.stack([getattr(e, proj).weight.grad.t() for e in mod.experts])
+                ws = [getattr(e, proj).weight for e in mod.experts]  # an expert no token chose has no grad
+                out[f"{name}.{stacked}"] = torch.stack([(w.grad if w.grad is not None else torch.zeros_like(w)).t()
+                                                        for w in ws])
     return out
 
 
@@ -122,3 +124,64 @@ def test_names_state_dict_and_errors():
     with pytest.raises(UnsupportedMoEError, match=r"model\.layers\.0\.mlp\.experts\.0 uses activation .*not SiLU"):
         adapt_moe(gelu)
     assert len(unadapted_moe_blocks(gelu)) == 2  # nothing replaced
+
+
+def _deepseek(**kw: object) -> torch.nn.Module:
+    model = build_family("deepseek_v3", adapt=False, **kw)
+    gen = torch.Generator().manual_seed(3)
+    for mod in model.modules():  # a nonzero score correction: the grouped top-k must see it
+        if hasattr(mod, "e_score_correction_bias"):
+            mod.e_score_correction_bias.copy_(0.1 * torch.randn(mod.e_score_correction_bias.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_hidden_layers": 3, "first_k_dense_replace": 1, "norm_topk_prob": False,
+                                     "n_shared_experts": 2, "n_group": 1, "topk_group": 1}])
+def test_deepseek_v3_adapted_equals_transformers(kw):
+    """DeepSeek-V3's MoE (routed experts chosen by its sigmoid router with grouped top-k, score-correction
+    bias and routed_scaling_factor, plus shared experts) adapted: same logits, loss and gradients. Before,
+    adapt_moe left it alone and Dynamo failed on its ``if token_indices.numel() > 0``."""
+    original, adapted = _pair(_deepseek(**kw))
+    moe = [m for m in adapted.modules() if isinstance(m, StackedMoE)]
+    layers = kw.get("num_hidden_layers", 2)
+    dense = kw.get("first_k_dense_replace", 0)
+    assert len(moe) == layers - dense and [m._piper_tags for m in moe] == [{"EP": i} for i in range(dense, layers)]
+    assert all(m.w_gate.shape == (4, 64, 32) and hasattr(m, "shared_experts") for m in moe)
+    _check(original, adapted, ("gate_proj", "up_proj", "down_proj"))
+    # transformers' names back (router weight and bias, shared experts keep theirs)
+    fresh = build_family("deepseek_v3", seed=7, adapt=False, **kw)
+    fresh.load_state_dict(hf_state_dict(adapted), strict=True)
+
+
+class ToyMoE(torch.nn.Module):
+    """A MoE block no adapter knows: a list of experts, a Python loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(e(x) for e in self.experts)
+
+
+class FancySparseMoeBlock(torch.nn.Module):
+    """Named like a MoE block, experts stored as one stacked tensor (no ``experts`` module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 4, 4))
+
+
+def test_unadapted_moe_blocks_lists_every_moe_block():
+    """Every MoE-like block is reported, adaptable or not (DeepSeek-V3's used to be missed: ``[]``), only the
+    outermost one of nested blocks; adapt_moe adapts what it can and warns about the rest."""
+    model = _deepseek()
+    model.toy = ToyMoE()
+    model.fancy = FancySparseMoeBlock()
+    assert unadapted_moe_blocks(model) == ["model.layers.0.mlp (DeepseekV3MoE)",
+                                           "model.layers.1.mlp (DeepseekV3MoE)", "toy (ToyMoE)",
+                                           "fancy (FancySparseMoeBlock)"]
+    with pytest.warns(UserWarning, match=r"no adapter for the MoE block\(s\) \['toy \(ToyMoE\)', 'fancy"):
+        adapt_moe(model)
+    assert unadapted_moe_blocks(model) == ["toy (ToyMoE)", "fancy (FancySparseMoeBlock)"]
+    assert unadapted_moe_blocks(build_qwen3_moe()) == []
