@@ -115,6 +115,17 @@ def _remove(p: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def local_path(path: str) -> str:
+    """``path`` as an absolute file-system path; URLs (fsspec) are refused: the commit renames directories."""
+    path = os.fspath(path)
+    if "://" in path:
+        raise PiperError(f"piper: {path} is a URL; piper.save and piper.load work on directories of a local or shared "
+                         "file system (a save is committed by renaming its directory). For object stores call DCP "
+                         "yourself: dcp.save(piper.sharded_state_dict(step), checkpoint_id=url) (not atomic) and "
+                         "dcp.load(piper.sharded_state_dict(step), checkpoint_id=url)")
+    return os.path.abspath(path)
+
+
 def prepare(path: str) -> list[str]:
     """Rank 0, before a save: check that ``path`` can be a checkpoint directory, finish what an interrupted
     save left (``recover``); returns what it did."""
@@ -193,7 +204,7 @@ def resolve(path: str) -> tuple[str, Any]:
     """The directory holding the latest committed checkpoint of ``path`` and its DCP metadata: ``path``
     itself, or, after a crash between the two renames of a commit, the previous checkpoint set aside as
     ``<path>.old-<id>``. Raises ``CheckpointIncomplete`` when there is none or it is incomplete. Reads only."""
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     if os.path.isdir(path):
         return path, verify(path)
     tmps, olds = leftovers(path)

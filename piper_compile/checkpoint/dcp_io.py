@@ -5,7 +5,6 @@ raise a ``piper:`` error on every rank: the atomic save protocol of ``commit.py`
 ``PiperError`` naming the ranks, the entry and the cause."""
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Callable, TypeVar
 
@@ -52,7 +51,7 @@ def save(sd: dict[str, Any], path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    path = os.path.abspath(os.fspath(path))
+    path = commit.local_path(path)
     _, world = _rank_world()
     save_id = on_rank0(lambda: (commit.prepare(path), commit.new_save_id())[1], f"preparing the save to {path}")
     tmp = commit.tmp_dir(path, save_id)

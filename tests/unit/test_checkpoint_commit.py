@@ -171,6 +171,8 @@ def test_save_target_must_be_a_directory(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(PiperError, match="exists and is not a directory"):
         commit.prepare(str(tmp_path / "f"))
+    with pytest.raises(PiperError, match="is a URL; piper.save and piper.load work on directories"):
+        commit.resolve("s3://bucket/ckpt")
 
 
 def test_key_check(tmp_path):
