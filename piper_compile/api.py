@@ -6,11 +6,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from piper_compile.backend import CompiledStep, Options, find_state, state_for
+from piper_compile.backend import CompiledStep, Options
 from piper_compile.capture.joint import source_names
 from piper_compile.errors import PiperError
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
+from piper_compile.runtime.registry import state_of_module
 
 
 def _module_of(step: Any) -> nn.Module:
@@ -39,12 +40,14 @@ def _find_options(obj: Any, depth: int = 0, seen: set[int] | None = None) -> dic
 
 
 def _state(step: Any, create: bool) -> Any:
-    params = list(_module_of(step).parameters())
-    st = find_state(params)
+    """The training state of the module ``step`` compiles (``runtime/registry.py``); made before the first
+    call when ``create`` (its optimizer factory read from the options given to torch.compile)."""
+    module = _module_of(step)
+    st = state_of_module(module)
     if st is not None or not create:
         return st
     raw = _find_options(step)
-    return state_for(params, Options.parse(raw).optimizer if raw is not None else None)
+    return state_of_module(module, Options.parse(raw).optimizer if raw is not None else None, create=True)
 
 
 def optimizer(step: Any) -> torch.optim.Optimizer:

@@ -7,6 +7,8 @@ program, compile this rank's segments, create process groups, broadcast rank 0's
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -14,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from piper_compile.capture.joint import INPUT, JointGraph, capture_joint, find_batch_constant, source_names
+from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import (
@@ -28,8 +30,12 @@ from piper_compile.passes.context import PassContext
 from piper_compile.passes.driver import run_passes
 from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.verifier import verify_programs
+from piper_compile.runtime.consistency import (
+    CallCheck, CallLayout, CallRecord, call_layout, fingerprint, local_calls, post_failure,
+)
 from piper_compile.runtime.executor import Executor
 from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
+from piper_compile.runtime.registry import check_shared_parameters, state_for
 from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.zero import layout_of
 
@@ -104,36 +110,24 @@ def _flag(options: dict[str, Any], key: str, env: str, meaning: str) -> bool:
     return value
 
 
-# One TrainState per model, found through any of its parameters (shared by the grad/no-grad programs).
-_STATES: dict[int, TrainState] = {}
-
-
-def find_state(params: list[nn.Parameter]) -> TrainState | None:
-    """The TrainState that holds any of ``params`` (ids are checked against the objects: ids get reused)."""
-    for p in params:
-        st = _STATES.get(id(p))
-        if st is not None and any(q is p for q in st.params):
-            return st
-    return None
-
-
-def state_for(params: list[nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None) -> TrainState:
-    st = find_state(params)
-    if st is not None:
-        if st.factory is None:
-            st.factory = factory
-        return st
-    st = TrainState(params, factory)
-    for p in params:
-        _STATES[id(p)] = st
-    return st
-
-
 @dataclass
 class Plan:
     dag: TrainingDAG
     programs: list[Program]
     executor: Executor
+    fingerprint: int = 0  # of the DAG's text: equal on every rank that planned the same strategy
+    layout: CallLayout | None = None  # what the call check needs (runtime/consistency.py)
+    local: Executor | None = None  # the forward-only program without its loss all-reduce (piper.local())
+
+
+@dataclass
+class Blueprint:
+    """A planned strategy, shared by every model instance the compiled code runs for."""
+
+    dag: TrainingDAG
+    programs: list[Program]
+    fingerprint: int
+    layout: CallLayout
 
 
 class _NoopBackward(torch.autograd.Function):
@@ -170,6 +164,10 @@ class CompiledStep:
         self.tp_partial: frozenset[str] = frozenset()  # sequence parallel: gradients summed over the TP group
         self.state: TrainState | None = None
         self.rank, self.world = world or world_info()
+        # Shared by every model instance this compiled code runs for (see bind): planned strategies
+        # by forward_only, and the steps of the other instances by their parameters' ids.
+        self.blueprints: dict[bool, Blueprint] = {}
+        self._bindings: dict[tuple[int, ...], list[CompiledStep]] = {}
 
     @property
     def options(self) -> Options:
@@ -242,18 +240,28 @@ class CompiledStep:
 
     def build(self, forward_only: bool) -> tuple[TrainingDAG, list[Program]]:
         """The lowered DAG and every rank's verified program (no process group needed)."""
+        bp = self.blueprint(forward_only)
+        return bp.dag, bp.programs
+
+    def blueprint(self, forward_only: bool) -> Blueprint:
+        """The planned strategy (once per compiled code, whichever model instance asks first)."""
         if self.joint is None:
             self._capture()
-        ctx = self.context(forward_only)
-        dag = run_passes(build_dag(list(self.segments.values()), forward_only), self.options.directives, ctx)
-        programs = build_programs(dag, self.world)
-        verify_programs(programs)
-        return dag, programs
+        if forward_only not in self.blueprints:
+            ctx = self.context(forward_only)
+            dag = run_passes(build_dag(list(self.segments.values()), forward_only), self.options.directives, ctx)
+            programs = build_programs(dag, self.world)
+            verify_programs(programs)
+            self.blueprints[forward_only] = Blueprint(dag, programs, fingerprint(dag.to_text()),
+                                                      call_layout(dag, self.world))
+        return self.blueprints[forward_only]
 
     def plan(self, forward_only: bool) -> Plan:
+        """This rank's executable plan (process groups, shard layout, executor), once per model."""
         if forward_only in self.plans:
             return self.plans[forward_only]
-        dag, programs = self.build(forward_only)
+        bp = self.blueprint(forward_only)
+        dag, programs = bp.dag, bp.programs
         program = programs[self.rank]
         seg_names = {i.node.attr("segment") for i in program.instrs
                      if i.node.attr("segment") and not i.node.attr("ep_role") and not i.node.attr("tp_role")}
@@ -269,12 +277,19 @@ class CompiledStep:
         self.state.ensure_shards(self._shard_specs(dag), self.joint.params, self.rank)
         if dag.meta.get("zero") and not forward_only:
             self.state.release_unused(_unread_params(dag, program))
-        dp = len(dag.meta["loss_group"]) // dag.meta.get("tp_size", 1)  # ranks of a TP group share a batch
-        executor = Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
-                            dp, dag.meta["loss_group"], self.options.timeout_s,
-                            forward_only, self.options.overlap_streams, self.options.reorder_window)
-        self.plans[forward_only] = Plan(dag, programs, executor)
+        check_shared_parameters(self.state)
+        executor = self._executor(program, groups, dag, forward_only)
+        local = self._executor(_without_loss_reduce(program), None, dag, True) \
+            if forward_only and _only_loss_traffic(program) else None
+        self.plans[forward_only] = Plan(dag, programs, executor, bp.fingerprint, bp.layout, local)
         return self.plans[forward_only]
+
+    def _executor(self, program: Program, groups: GroupRegistry | None, dag: TrainingDAG,
+                  forward_only: bool) -> Executor:
+        assert self.state is not None and self.joint is not None
+        return Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
+                        dag.meta["loss_group"], self.options.timeout_s, forward_only,
+                        self.options.overlap_streams, self.options.reorder_window)
 
     def _shard_specs(self, dag: TrainingDAG) -> dict[str, tuple[ParamShard, tuple[int, ...], str, str]]:
         """Parameters split across ranks, with this rank's group: experts (``shard``) along the expert
@@ -286,28 +301,134 @@ class CompiledStep:
             specs.update({f: (spec, group, dag.meta["tp"][2], "tp") for f, spec in self.tp_shards.items()})
         return specs
 
+    # -- which model a call is for --------------------------------------------------------------
+    def bind(self, args: tuple[Any, ...]) -> "CompiledStep":
+        """The step of the model these call arguments belong to. Dynamo runs one compiled code for every
+        instance of a model class whose guards pass (two models with equal options included), so the
+        parameters a call passes, not the ones captured, say which model trains: each instance gets its
+        own step (its own training state and executors) sharing this one's capture, plans and compiled
+        segments."""
+        if self.joint is None:
+            self._capture()
+        if self._is_mine(args):
+            return self
+        key = tuple(id(args[s.arg_index]) for s in self._slots())
+        for other in self._bindings.get(key, ()):
+            if other._is_mine(args):
+                return other
+        other = self._clone_for(args)
+        self._bindings.setdefault(key, []).append(other)
+        return other
+
+    def _slots(self) -> list[Any]:
+        assert self.joint is not None
+        return [s for s in self.joint.inputs if s.kind in (PARAM, BUFFER)]
+
+    def _is_mine(self, args: tuple[Any, ...]) -> bool:
+        assert self.joint is not None
+        own = {**self.joint.params, **self.joint.buffers}
+        return all(args[s.arg_index] is own[s.name] for s in self._slots())
+
+    def _clone_for(self, args: tuple[Any, ...]) -> "CompiledStep":
+        assert self.joint is not None
+        other = copy.copy(self)  # shares the capture, segments, compiled segments and blueprints
+        params = {s.name: args[s.arg_index] for s in self.joint.inputs if s.kind == PARAM}
+        buffers = {s.name: args[s.arg_index] for s in self.joint.inputs if s.kind == BUFFER}
+        other.joint = dataclasses.replace(self.joint, params=params, buffers=buffers)
+        other.plans = {}
+        other._bindings = {}
+        other.state = state_for(list(params.values()), self.options.optimizer)
+        other.state.steps.append(other)
+        return other
+
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> tuple[torch.Tensor]:
+        try:
+            step = self.bind(args)
+            if not local_calls():
+                step.blueprint(forward_only=not torch.is_grad_enabled())
+        except Exception:
+            if not local_calls():  # the other ranks must not wait for this one: tell them it failed
+                post_failure(self.rank, self.world, _leading_size(args), len(args), not torch.is_grad_enabled(),
+                             self.options.timeout_s if self._options is not None else 60.0)
+            raise
+        return step._call(args)
+
+    def _call(self, args: tuple[Any, ...]) -> tuple[torch.Tensor]:
         train = torch.is_grad_enabled()
-        plan = self.plan(forward_only=not train)
+        self._check_inputs(args)
+        if local_calls():
+            return (self._local_call(args, train),)
         assert self.state is not None and self.joint is not None
+        bp = self.blueprint(forward_only=not train)
+        record = CallRecord(self.state.index, bp.fingerprint, self.state.calls, self._local_batch(args),
+                            len(args), not train)
+        self.state.calls += 1
+        check = CallCheck(record, bp.layout, self.rank, self.world, self.options.timeout_s)
+        if (not train) not in self.plans or not self.state.broadcast_done or self.state.pending:
+            check.resolve()  # before this call creates process groups, broadcasts or loads anything
+        plan = self.plan(forward_only=not train)
         if not self.state.broadcast_done:
             tensors = [self.joint.params[f] for f in sorted(self.joint.params)]
             tensors += [self.joint.buffers[f] for f in sorted(self.joint.buffers)]
             self.state.broadcast_from_rank0(tensors)
         self.state.shard()
         self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
-        self._check_inputs(args)
-        loss = plan.executor.run(list(args))
+        loss = plan.executor.run(list(args), check)
         if train:
             loss = _NoopBackward.apply(loss, _ANCHOR)
         return (loss,)
 
-    def _check_inputs(self, args: tuple[Any, ...]) -> None:
+    def _local_call(self, args: tuple[Any, ...], train: bool) -> torch.Tensor:
+        """A call inside ``piper.local()``: this rank alone, forward-only, no communication."""
+        if train:
+            raise PiperError("piper: piper.local() runs forward-only calls on this rank alone; wrap the call in "
+                             "torch.no_grad() (a training step is collective over the world)")
+        plan = self.plan(forward_only=True)
+        if plan.local is None:
+            traffic = next(i.short() for i in plan.programs[self.rank].instrs
+                           if i.node.kind.is_comm and i.node.attr("purpose") != "loss")
+            raise PiperError(f"piper: piper.local(): this step's forward-only program communicates ({traffic} on "
+                             f"rank {self.rank}: pipeline stages, ZeRO-3 gathers, expert or tensor parallelism), so "
+                             "it cannot run on one rank alone. Call it under torch.no_grad() on every rank instead")
+        assert self.state is not None
+        if not self.state.broadcast_done:
+            raise PiperError("piper: piper.local(): the model has not made a collective call yet (its first call "
+                             "makes every replica start from rank 0's weights); call the step on every rank first")
+        self.state.shard()
+        record = CallRecord(self.state.index, plan.fingerprint, -1, self._local_batch(args), len(args), True)
+        assert plan.layout is not None
+        return plan.local.run(list(args), CallCheck.alone(record, plan.layout.microbatches))
+
+    def _local_batch(self, args: tuple[Any, ...]) -> int:
+        """The leading size of the batched inputs (all equal), or the micro-batch count if none is batched."""
         assert self.joint is not None
+        sizes = {s.name: int(args[s.arg_index].shape[0]) for s in self.joint.inputs if s.kind == INPUT and s.batched}
+        if len(set(sizes.values())) > 1:
+            raise PiperError(f"piper: the batched inputs have different leading sizes {sizes}; every batched input "
+                             "must hold the same samples along dim 0")
+        return next(iter(sizes.values()), self.blueprint(not torch.is_grad_enabled()).layout.microbatches)
+
+    def _check_inputs(self, args: tuple[Any, ...]) -> None:
+        if self.joint is None:
+            self._capture()
         for s in self.joint.inputs:
             if s.kind == INPUT and s.arg_index is not None and not isinstance(args[s.arg_index], torch.Tensor):
                 raise PiperError(f"piper: input {s.name!r} must be a tensor")
+
+
+def _leading_size(args: tuple[Any, ...]) -> int:
+    """The leading size of the first tensor argument (what a failed call reports as its batch)."""
+    return next((int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), 0)
+
+
+def _only_loss_traffic(program: Program) -> bool:
+    """Whether the program's only communication is the loss all-reduce (it can run on one rank alone)."""
+    return all(not i.node.kind.is_comm or i.node.attr("purpose") == "loss" for i in program.instrs)
+
+
+def _without_loss_reduce(program: Program) -> Program:
+    return Program(program.rank, [i for i in program.instrs if i.node.attr("purpose") != "loss"])
 
 
 def _unread_params(dag: TrainingDAG, program: Program) -> set[str]:
@@ -328,4 +449,4 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
     return CompiledStep(gm, example_inputs, options)
 
 
-__all__ = ["CompiledStep", "Options", "PiperDirectiveError", "find_state", "piper_backend", "state_for"]
+__all__ = ["CompiledStep", "Options", "PiperDirectiveError", "piper_backend"]

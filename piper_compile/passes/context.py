@@ -21,6 +21,11 @@ class PassContext:
     timings: dict[str, float] = field(default_factory=dict)
     clip_grad_norm: float | None = None  # options["clip_grad_norm"]: clip by the global gradient norm
     tp_partial: frozenset[str] = frozenset()  # sequence parallel: params each TP rank holds a partial gradient of
+    directives: list[Any] = field(default_factory=list)  # the user's directives (set by the driver), for errors
+
+    def directive(self, index: int) -> Any:
+        """The user's directive at ``index`` (its JSON names it in errors about two directives)."""
+        return next((d for d in self.directives if d.index == index), None)
 
     def is_batched(self, value: str) -> bool:
         if value in self.batched_values:

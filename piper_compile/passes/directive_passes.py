@@ -2,6 +2,7 @@
 ``PiperDirectiveError`` (directive index + JSON, what is wrong, how to fix it)."""
 from __future__ import annotations
 
+import json
 from typing import Callable, Iterable
 
 from piper_compile.directives.spec import ANY, Directive, Filter, Order, Place, Replicate, Split, filter_matches
@@ -49,16 +50,40 @@ def check_ranks(d: Directive, ranks: Iterable[int] | None, ctx: PassContext) -> 
                       f"use ranks below {ctx.world_size}, or launch with more processes")
 
 
+def _json(d: Directive | None) -> str:
+    return json.dumps(d.raw if d is not None and d.raw is not None else d.to_json() if d is not None else None,
+                      default=str, sort_keys=True)
+
+
 def apply_place(dag: TrainingDAG, d: Place, ctx: PassContext) -> TrainingDAG:
     check_ranks(d, d.devices, ctx)
     for n in match(dag, d, d.filter, ctx):
+        before = n.attr("placed_by")
+        if before is not None and before != d.index and tuple(n.devices) != tuple(d.devices):
+            raise d.error(f"it places {n.name} on ranks {list(d.devices)}, but directive #{before} "
+                          f"{_json(ctx.directive(before))} already placed it on ranks {list(n.devices)}",
+                          "place each region once: fix the filter or the devices of one of the two directives")
         dag.replace(n.with_(devices=tuple(d.devices)).with_attrs(placed_by=d.index, p2p_stream=d.stream or ""))
     return dag
 
 
+def _replication(d: Replicate) -> dict[str, object]:
+    """What a replicate directive sets on a region (two directives covering one region must agree)."""
+    return {"reduce_stream": d.reduce_stream, "bucket_mb": d.bucket_size, "zero": d.zero,
+            "gather_stream": d.gather_stream, "prefetch": d.prefetch, "reduce_mb": d.reduce_per_microbatch}
+
+
 def apply_replicate(dag: TrainingDAG, d: Replicate, ctx: PassContext) -> TrainingDAG:
     check_ranks(d, d.devices, ctx)
+    mine = _replication(d)
     for n in match(dag, d, d.filter, ctx):
+        before = n.attr("replicated_by")
+        differ = {k: (n.attr(k), v) for k, v in mine.items() if n.attr(k) != v}
+        if before is not None and before != d.index and differ:
+            what = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
+            raise d.error(f"it replicates {n.name}, which directive #{before} {_json(ctx.directive(before))} "
+                          f"already replicates with other settings ({what})",
+                          "replicate each region once (narrow one filter), or give both the same settings")
         devices = n.devices
         if d.devices is not None:
             if devices and tuple(sorted(devices)) != tuple(sorted(d.devices)):
@@ -66,9 +91,7 @@ def apply_replicate(dag: TrainingDAG, d: Replicate, ctx: PassContext) -> Trainin
                               f"{list(d.devices)}", "replicate over the ranks the region is placed on "
                               "(or leave out 'devices')")
             devices = tuple(d.devices)
-        dag.replace(n.with_(devices=devices).with_attrs(
-            replicated=True, reduce_stream=d.reduce_stream, bucket_mb=d.bucket_size, replicated_by=d.index,
-            zero=d.zero, gather_stream=d.gather_stream, prefetch=d.prefetch, reduce_mb=d.reduce_per_microbatch))
+        dag.replace(n.with_(devices=devices).with_attrs(replicated=True, replicated_by=d.index, **mine))
     return dag
 
 
@@ -117,8 +140,25 @@ def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
     for a, b in dag.order_edges:
         for k in range(m):
             out.add_order(f"{a}.mb{k}", f"{b}.mb{k}")
-    out.meta.update(split=m, mb_tag=d.dim_name)
+    out.meta.update(split=m, mb_tag=d.dim_name, split_by=d.index)
     return out
+
+
+def _check_microbatches(dag: TrainingDAG, d: Order, ctx: PassContext) -> None:
+    """An order that names micro-batches must name every one the split made (a schedule built for 2
+    micro-batches used with split(4) would leave 2 of them in no stated order)."""
+    if "split" not in dag.meta:  # not split yet: match() says to put the split first
+        return
+    tag, m = dag.meta.get("mb_tag", "MB"), dag.meta["split"]
+    named = {f[tag] for g in d.filters for f in g if isinstance(f.get(tag), int)}
+    if named and named != set(range(m)):
+        split = ctx.directive(dag.meta.get("split_by", -1))
+        by = f"directive #{split.index} {_json(split)} splits" if split is not None else "the step has"
+        missing = sorted(set(range(m)) - named)
+        raise d.error(f"it orders micro-batches {sorted(named)} but {by} {m} micro-batch(es)"
+                      + (f": {missing} would run in no stated order" if missing else ""),
+                      f"build the schedule for {m} micro-batches (e.g. one_f_one_b(stages, {m})), or use '*' for "
+                      "the micro-batch index")
 
 
 def apply_order(dag: TrainingDAG, d: Order, ctx: PassContext) -> TrainingDAG:
@@ -149,6 +189,7 @@ def apply_order(dag: TrainingDAG, d: Order, ctx: PassContext) -> TrainingDAG:
         raise d.error(f"the order forms a cycle: {' -> '.join(cycle)} (a step would have to run before "
                       "itself, e.g. a backward before its forward or a later stage's data)",
                       "order steps consistently with the data flow (F before B of the same micro-batch)")
+    _check_microbatches(dag, d, ctx)
     return dag
 
 

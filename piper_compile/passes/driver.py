@@ -37,6 +37,7 @@ def _run(name: str, fn: Callable[[], TrainingDAG], ctx: PassContext) -> Training
 def run_passes(dag: TrainingDAG, directives: list[Directive], ctx: PassContext) -> TrainingDAG:
     """Apply ``directives`` then lowering; returns the final, invariant-checked DAG."""
     skip = set(filter(None, os.environ.get("PIPER_SKIP_PASSES", "").split(",")))
+    ctx.directives = list(directives)
     if not any(isinstance(d, Split) for d in directives):
         dag = _run("split(implicit)", lambda: DIRECTIVE_PASSES[Split](dag, Split(num_microbatches=1), ctx), ctx)
     for d in directives:

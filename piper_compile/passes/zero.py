@@ -9,9 +9,11 @@ between groups and they are not sharded.
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import PARAM_PREFIX as PARAM, Kind, Node, TrainingDAG, param_fqn
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.tensor_parallel import dp_subgroups
@@ -58,7 +60,31 @@ def zero_layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], Zer
     return dag.meta["zero"]
 
 
+_GROUP_SETTINGS = ("zero", "gather_stream", "prefetch", "reduce_mb")
+
+
+def check_group_settings(dag: TrainingDAG, ctx: PassContext) -> None:
+    """Regions replicated on one device group share its ZeRO layout (one shard layout, gather stream and
+    prefetch per group): two replicate directives that disagree on them for one group are an error."""
+    first: dict[tuple[int, ...], Node] = {}
+    for n in dag.of_kind(Kind.COMPUTE):
+        if n.attr("replicated_by") is None or len(n.devices) < 2:
+            continue
+        m = first.setdefault(n.devices, n)
+        differ = [k for k in _GROUP_SETTINGS if m.attr(k) != n.attr(k)]
+        if differ:
+            a, b = ctx.directive(m.attr("replicated_by")), ctx.directive(n.attr("replicated_by"))
+            what = ", ".join(f"{k} {m.attr(k)!r} vs {n.attr(k)!r}" for k in differ)
+            raise PiperDirectiveError(
+                b.index if b is not None else None, b.to_json() if b is not None else {"region": n.name},
+                f"it replicates {n.name} on ranks {list(n.devices)}, where directive #{m.attr('replicated_by')} "
+                f"{json.dumps(a.to_json(), sort_keys=True) if a is not None else ''} replicates {m.name} with other ZeRO settings ({what}); "
+                "the regions of one device group share one shard layout",
+                "give every replicate directive of a device group the same zero/prefetch/gather_stream settings")
+
+
 def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGroup]:
+    check_group_settings(dag, ctx)
     by_region: dict[object, Node] = {}
     for n in dag.of_kind(Kind.COMPUTE):
         if n.attr("zero", 0) and _sharding_ranks(n) > 1:

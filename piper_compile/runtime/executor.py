@@ -21,6 +21,7 @@ from piper_compile.errors import PiperRuntimeError
 from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime import expert, tensor_parallel
+from piper_compile.runtime.consistency import CallCheck, Weights
 from piper_compile.runtime.groups import GroupRegistry
 from piper_compile.runtime.reorder import Fillers, needs, overlap_partners, still_read
 from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
@@ -82,7 +83,7 @@ class Executor:
     """Runs a rank's program for one step at a time."""
 
     def __init__(self, program: Program, joint: JointGraph, segments: dict[str, Callable[[list[Any]], list[Any]]],
-                 state: TrainState, groups: GroupRegistry | None, microbatches: int, dp_degree: int,
+                 state: TrainState, groups: GroupRegistry | None, microbatches: int,
                  loss_group: tuple[int, ...], timeout_s: float, forward_only: bool,
                  overlap_streams: bool = True, reorder_window: int = 8) -> None:
         self.program = program
@@ -91,7 +92,7 @@ class Executor:
         self.state = state
         self.groups = groups
         self.m = microbatches
-        self.dp = dp_degree
+        self._check: CallCheck | None = None  # this call's (runtime/consistency.py): weights, agreement
         self.loss_group = loss_group
         self.timeout_s = timeout_s
         self.forward_only = forward_only
@@ -137,8 +138,8 @@ class Executor:
             return self.state.local_param(spec.name, args[spec.arg_index])  # an expert shard under EP
         if spec.kind == BUFFER:
             return args[spec.arg_index]
-        if spec.kind == TANGENT:
-            return torch.full((), 1.0 / (self.m * self.dp), dtype=dtype, device=self.state.device)
+        if spec.kind == TANGENT:  # this rank's share of the global batch, per micro-batch loss
+            return torch.full((), self._weights().seed, dtype=dtype, device=self.state.device)
         if spec.kind == SYM:
             return mb_size if spec.batched else int(args[spec.arg_index])
         assert spec.kind == INPUT
@@ -255,12 +256,23 @@ class Executor:
             f"{ins.node.stream!r}){peer} did not complete within {self.timeout_s:.0f}s{why}. The peer has likely "
             "failed or is running a different schedule; raise options['timeout'] if the step is just slow.")
 
+    def _weights(self) -> Weights:
+        """The call check's result (waited for here the first time): every rank makes this call, and how
+        this rank's losses weigh in the global mean."""
+        assert self._check is not None
+        return self._check.resolve()
+
     # -- one step --------------------------------------------------------------------------------
-    def run(self, args: list[Any]) -> torch.Tensor:
+    def run(self, args: list[Any], check: CallCheck) -> torch.Tensor:
+        """One step on this rank. ``check`` (started by the caller) is resolved before the step's first
+        communication, wait or loss seed, so ranks making different calls raise before any traffic pairs."""
         t0 = time.perf_counter()
         rec = self.rec
         rec.step_begin()
-        batch = self._batch_size(args)
+        self._check = check
+        batch = check.record.batch
+        if batch <= 0 or batch % self.m:
+            check.resolve()  # raises on every rank
         mb_size = batch // self.m
         syms = self._symbols(args, mb_size)
         dtype = self._loss_dtype(args)
@@ -328,6 +340,8 @@ class Executor:
         ran_early: dict[int, bool] = {}  # position -> whether it ran on the side stream
         for pos, ins in enumerate(self.program.instrs):
             n = ins.node
+            if n.kind is not Kind.COMPUTE or ins.waits:  # the first traffic of the call: after the check
+                self._weights()
             if pos in ran_early:  # an overlap partner or filler that ran while an earlier step waited
                 if ran_early.pop(pos) and self._side is not None:
                     self._side.join()
@@ -414,7 +428,7 @@ class Executor:
             rec.complete(name, tw)
         loss = result.get("loss")
         if loss is None:  # single rank or loss computed here without a world reduce
-            loss = loss_sum / self.m
+            loss = loss_sum / self._weights().loss_divisor
         self.stats.seconds = time.perf_counter() - t0
         rec.step_end()
         return loss
@@ -422,9 +436,9 @@ class Executor:
     def _all_reduce(self, ins: Instr, loss_sum: torch.Tensor, result: dict[str, torch.Tensor]) -> Any:
         n = ins.node
         self._count(n.attr("purpose"))
-        if n.attr("purpose") == "loss":
+        if n.attr("purpose") == "loss":  # holders add their share of the global mean, the others zero
             holders = n.attr("holders")
-            t = loss_sum / (self.m * len(holders)) if self.rank in holders else torch.zeros_like(loss_sum)
+            t = loss_sum / self._weights().loss_divisor if self.rank in holders else torch.zeros_like(loss_sum)
             result["loss"] = t
         elif n.attr("purpose") == "gradnorm":
             assert self._update is not None and self.grads is not None
@@ -495,16 +509,6 @@ class Executor:
 
     def _group(self, ins: Instr) -> Any:
         return self.groups.get(ins.group_name(self.rank), tuple(range(dist.get_world_size())))
-
-    def _batch_size(self, args: list[Any]) -> int:
-        for s in self.joint.inputs:
-            if s.kind == INPUT and s.batched:
-                b = int(args[s.arg_index].shape[0])
-                if b % self.m:
-                    raise PiperRuntimeError(f"piper: the local batch of {b} (input {s.name!r}) does not divide into "
-                                            f"{self.m} micro-batches; pass a batch that is a multiple of {self.m}")
-                return b
-        return self.m
 
     def _loss_dtype(self, args: list[Any]) -> torch.dtype:
         val = self.joint.gm.graph.find_nodes(op="output")[0].args[0][0].meta.get("val")

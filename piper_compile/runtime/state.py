@@ -272,6 +272,14 @@ class TrainState:
         self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
         self.first_call_done = False
         self.on_sharded_done = False
+        self.index = 0  # creation order in this process (runtime/registry.py): part of the call check
+        self.from_module = False  # made by the API for a module before its first call
+        self.calls = 0  # collective calls of this model's steps so far (the call check compares them)
+
+    @property
+    def is_plain(self) -> bool:
+        """Every parameter is trained in place, whole (no ZeRO layout, no pieces, nothing released)."""
+        return self.zero is None and not self.shards and not self.to_release and not self.released
 
     # -- ZeRO --------------------------------------------------------------------------------------
     def ensure_zero(self, layout: Layout, named: dict[str, nn.Parameter], rank: int) -> None:

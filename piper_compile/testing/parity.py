@@ -29,6 +29,7 @@ class RunConfig:
     scheduler: tuple[str, dict[str, Any]] | None = None  # torch.optim.lr_scheduler class name and kwargs
     clip_grad_norm: float | None = None
     tp: int = 1  # tensor-parallel group size: consecutive ranks of a group share one replica's batch
+    batches: tuple[int, ...] | None = None  # per-replica local batch sizes (uneven); default local_batch each
 
     def replica_of(self, rank: int, world: int) -> int:
         for d in self.directives:
@@ -38,6 +39,15 @@ class RunConfig:
 
     def dp_degree(self, world: int) -> int:
         return len({self.replica_of(r, world) for r in range(world)})
+
+    def replica_batches(self, world: int) -> list[int]:
+        """Local batch size of each data-parallel replica."""
+        return list(self.batches) if self.batches is not None else [self.local_batch] * self.dp_degree(world)
+
+    def local_slice(self, rank: int, world: int) -> slice:
+        """This rank's rows of the global batch (its replica's)."""
+        sizes, rep = self.replica_batches(world), self.replica_of(rank, world)
+        return slice(sum(sizes[:rep]), sum(sizes[:rep + 1]))
 
     def make_scheduler(self, opt: torch.optim.Optimizer) -> Any:
         if self.scheduler is None:
@@ -79,11 +89,11 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
     user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
     sched = cfg.make_scheduler(piper.optimizer(step)) if cfg.scheduler else None
-    dp, rep = cfg.dp_degree(world), cfg.replica_of(rank, world)
+    total, rows = sum(cfg.replica_batches(world)), cfg.local_slice(rank, world)
     losses = []
     for s in range(cfg.steps):
-        batch = _global_batch(model, cfg, s, dp * cfg.local_batch)
-        local = tuple(t[rep * cfg.local_batch:(rep + 1) * cfg.local_batch] for t in batch)
+        batch = _global_batch(model, cfg, s, total)
+        local = tuple(t[rows] for t in batch)
         loss = step(*local)
         loss.backward()  # accepted and does nothing more
         losses.append(loss.item())
@@ -94,8 +104,8 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
             sched.step()
     eval_loss = None
     if cfg.no_grad_eval:
-        batch = _global_batch(model, cfg, cfg.steps, dp * cfg.local_batch)
-        local = tuple(t[rep * cfg.local_batch:(rep + 1) * cfg.local_batch] for t in batch)
+        batch = _global_batch(model, cfg, cfg.steps, total)
+        local = tuple(t[rows] for t in batch)
         with torch.no_grad():
             eval_loss = step(*local).item()
     cs = piper.compiled_steps(step)[0]
@@ -116,10 +126,10 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     model = _model(cfg)
     opt = cfg.make_optimizer()(model.parameters())
     sched = cfg.make_scheduler(opt)
-    dp = cfg.dp_degree(world)
+    total = sum(cfg.replica_batches(world))
     losses, norms = [], []
     for s in range(cfg.steps):
-        batch = _global_batch(model, cfg, s, dp * cfg.local_batch)
+        batch = _global_batch(model, cfg, s, total)
         loss = model(*batch)
         opt.zero_grad()
         loss.backward()
@@ -132,7 +142,7 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     eval_loss = None
     if cfg.no_grad_eval:
         with torch.no_grad():
-            eval_loss = model(*_global_batch(model, cfg, cfg.steps, dp * cfg.local_batch)).item()
+            eval_loss = model(*_global_batch(model, cfg, cfg.steps, total)).item()
     return {"losses": losses, "params": [p.detach().cpu().clone() for p in model.parameters()],
             "eval_loss": eval_loss, "grad_norms": norms}
 

@@ -454,3 +454,45 @@ def test_second_world_in_the_same_process() -> None:
     finally:
         groups._GROUPS.clear()
 
+
+
+# -- conflicting directives (issue: accepted silently on main; each error names both directives) ---------
+def _plan_error(directives: list[Any], world: int = 2) -> str:
+    m = _mlp(2)
+    with pytest.raises(PiperDirectiveError) as ei:
+        piper.plan(m, *_batch(m), directives=directives, world_size=world,
+                   options={"optimizer": functools.partial(torch.optim.SGD, lr=0.1)})
+    return str(ei.value)
+
+
+def test_the_same_stage_placed_on_two_ranks_names_both_places() -> None:
+    """On main the last place won and the error was about an unrelated idle rank."""
+    msg = _plan_error([piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [1]), piper.place({"PP": 0}, [1])])
+    assert msg.startswith('piper: directive #2 {"devices": [1], "filter": {"PP": 0}, "op": "place"}')
+    assert 'directive #0 {"devices": [0], "filter": {"PP": 0}, "op": "place"} already placed it on ranks [0]' in msg
+
+
+def test_two_replicates_with_different_zero_over_one_region() -> None:
+    """On main ZeRO-3 silently won over ZeRO-1."""
+    msg = _plan_error([piper.replicate({"PP": "*"}, zero=1), piper.replicate({"PP": 0}, zero=3)])
+    assert msg.startswith("piper: directive #1 ") and "directive #0 " in msg and "zero 1 vs 3" in msg
+
+
+def test_two_replicates_with_different_zero_on_one_device_group() -> None:
+    """Two regions on the same ranks share one shard layout: main took the first region's ZeRO level."""
+    msg = _plan_error([piper.replicate({"PP": 0}, zero=1), piper.replicate({"PP": 1}, zero=3)])
+    assert msg.startswith("piper: directive #1 ") and "directive #0 " in msg and "zero 1 vs 3" in msg
+
+
+def test_an_order_built_for_fewer_microbatches_than_the_split() -> None:
+    """On main a 1F1B order for 2 micro-batches ran with split(4), micro-batches 2 and 3 in no stated order."""
+    msg = _plan_error([*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 2)])
+    assert "it orders micro-batches [0, 1]" in msg and "directive #2 " in msg and "splits 4 micro-batch(es)" in msg
+    assert "[2, 3] would run in no stated order" in msg and "one_f_one_b(stages, 4)" in msg
+
+
+def test_same_settings_twice_and_wildcard_orders_are_fine() -> None:
+    m = _mlp(2)
+    piper.plan(m, *_batch(m), directives=[*piper.pipeline(2), piper.place({"PP": 0}, [0]), piper.split(2),
+                                          piper.order({"PP": 0, "MB": "*", "PASS": "F"},
+                                                      {"PP": 0, "MB": "*", "PASS": "B"})], world_size=2)

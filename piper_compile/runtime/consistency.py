@@ -1,0 +1,273 @@
+"""Every rank runs the same step: a cheap agreement check at the start of each collective call.
+
+A compiled step call is collective over the world: every rank must call the same program (training or
+forward-only) of the same model, the same number of times, in the same order. If one rank skips a call
+or makes another one (rank 0 alone evaluating under ``torch.no_grad()``), the collectives of the two
+programs pair up with each other and every later number is wrong. So each call posts one row per rank
+-- (model, program fingerprint, call index, local batch, argument count, forward-only) -- and one
+all-reduce of the whole table (every rank writes only its own row, so the sum is an all-gather) on a
+gloo group of its own (host tensors, also under NCCL). The table comes back before the call's first
+communication, first wait and first loss seed, so a mismatch raises on every rank, naming what each
+rank called, before any traffic of the two programs is paired.
+
+The same table carries the local batch sizes, which makes uneven batches exact: each replica's losses
+and gradients are weighted by its share of the global batch (``Weights``), so the step's loss and
+gradients are those of the mean over the concatenated global batch, as in single-process training.
+
+``piper.local()`` marks calls that run on this rank alone (forward-only programs whose only traffic is
+the loss all-reduce: pure data parallelism without ZeRO-3): no check, no communication, the loss of the
+local batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from piper_compile.errors import PiperRuntimeError
+
+_LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("piper_local", default=False)
+
+
+@contextlib.contextmanager
+def local() -> Iterator[None]:
+    """Calls of a piper step inside this block run on this rank alone, forward-only: no communication and
+    no call check, returning the mean loss of this rank's batch (e.g. evaluation on rank 0 only). Only
+    for programs whose forward needs no communication besides the loss all-reduce (pure data parallel,
+    ZeRO 0-2); wrap the call in ``torch.no_grad()``."""
+    token = _LOCAL.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL.reset(token)
+
+
+def local_calls() -> bool:
+    """Whether the current call is inside ``piper.local()``."""
+    return _LOCAL.get()
+
+
+def fingerprint(text: str) -> int:
+    """A 63-bit id of a plan's text (equal on every rank that planned the same strategy)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """What one rank is calling."""
+
+    model: int  # the model's creation index in this process
+    program: int  # fingerprint of the plan
+    call: int  # collective calls of this model so far
+    batch: int  # this rank's local batch (leading size of its batched inputs)
+    nargs: int  # tensors and ints the compiled step was called with
+    forward_only: bool
+
+    def row(self) -> list[int]:
+        return [self.model, self.program, self.call, self.batch, self.nargs, int(self.forward_only)]
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> "CallRecord":
+        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]))
+
+    def same_call(self, other: "CallRecord") -> bool:
+        """The same program of the same model at the same call (the argument count may differ: Dynamo can
+        pass a different number of size symbols for other batch sizes; a different graph is a different plan)."""
+        return (self.model, self.program, self.call, self.forward_only) == \
+            (other.model, other.program, other.call, other.forward_only)
+
+    def describe(self) -> str:
+        kind = "a forward-only (torch.no_grad) step" if self.forward_only else "a training step"
+        return (f"{kind} of model #{self.model}, its call #{self.call} (plan {self.program:016x}, local batch "
+                f"{self.batch}, {self.nargs} arguments)")
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """What the check needs to know about a plan: micro-batches, who holds the loss, tensor-parallel
+    width, and which ranks see the same batch (the stages and tensor-parallel ranks of one replica)."""
+
+    microbatches: int
+    holders: tuple[int, ...]  # ranks whose segments compute the loss
+    tp: int  # ranks of one replica among the holders (tensor parallelism)
+    replica: tuple[int, ...]  # replica id per rank
+
+
+@dataclass(frozen=True)
+class Weights:
+    """How this rank's micro-batch losses count in the step's loss: each is seeded with ``seed`` in the
+    backward, and their sum divided by ``loss_divisor`` is this rank's share of the loss all-reduce."""
+
+    seed: float
+    loss_divisor: float
+
+
+def weights_for(layout: CallLayout, batches: list[int], rank: int) -> Weights:
+    """Sample-count weights: a replica with ``b`` of the global batch's ``B`` samples seeds each of its
+    ``M`` micro-batch means with ``b / (M * B)``; equal batches give exactly ``1 / (M * replicas)``."""
+    m, holders = layout.microbatches, layout.holders
+    sizes = [batches[h] for h in holders]
+    if len(set(sizes)) == 1:  # the even case, written as before so results stay bitwise
+        return Weights(1.0 / (m * (len(holders) // layout.tp)), float(m * len(holders)))
+    total = sum(sizes)
+    b = batches[rank]
+    return Weights(b * layout.tp / (m * total), m * total / b)
+
+
+def _check_group(timeout_s: float) -> Any:
+    """The world's gloo group for call checks (made once per world, at the first collective call, before
+    any other piper group: so every rank makes it first, whatever program it is about to run)."""
+    world = dist.group.WORLD
+    if _GROUP[0] is not world:
+        _GROUP[:] = [world, dist.new_group(list(range(dist.get_world_size())), backend="gloo",
+                                           timeout=timedelta(seconds=timeout_s), group_desc="piper:check")]
+    return _GROUP[1]
+
+
+_GROUP: list[Any] = [None, None]
+
+
+class CallCheck:
+    """The check of one call: started at the call, resolved (waited for and validated) at the first
+    point that needs it. ``resolve`` returns this rank's ``Weights`` or raises on every rank."""
+
+    def __init__(self, record: CallRecord, layout: CallLayout, rank: int, world: int, timeout_s: float) -> None:
+        self.record, self.layout, self.rank, self.world = record, layout, rank, world
+        self.timeout_s = timeout_s
+        self._weights: Weights | None = None
+        self.table = torch.zeros(world, 6, dtype=torch.int64)
+        self.table[rank] = torch.tensor(record.row(), dtype=torch.int64)
+        self.started = time.perf_counter()
+        self.work = None
+        if world > 1 and dist.get_backend() == "fake":  # a planning world of one real process: it agrees
+            self.table[:] = self.table[rank]
+        elif world > 1:
+            self.work = dist.all_reduce(self.table, group=_check_group(timeout_s), async_op=True)
+
+    @classmethod
+    def alone(cls, record: CallRecord, microbatches: int) -> "CallCheck":
+        """The check of a call this rank makes alone (world 1, or ``piper.local()``): local validation only."""
+        return cls(record, CallLayout(microbatches, (0,), 1, (0,)), 0, 1, 0.0)
+
+    def resolve(self) -> Weights:
+        if self._weights is None:
+            if self.work is not None:
+                self._wait()
+            rows = [CallRecord.from_row(r) for r in self.table.tolist()]
+            validate(rows, self.layout)
+            self._weights = weights_for(self.layout, [r.batch for r in rows], self.rank)
+        return self._weights
+
+    def _wait(self) -> None:
+        work, self.work = self.work, None
+        try:
+            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on timeout or a closed peer
+            raise self._stuck(e) from None
+        if ok is False:
+            raise self._stuck(None)
+
+    def _stuck(self, cause: Exception | None) -> PiperRuntimeError:
+        waited = time.perf_counter() - self.started
+        why = f" ({type(cause).__name__}: {str(cause).splitlines()[0]})" if cause is not None else ""
+        return PiperRuntimeError(
+            f"piper: rank {self.rank}: the call check of {self.record.describe()} did not complete after "
+            f"{waited:.1f}s{why}: some rank of the world is not making this call (every rank must call a "
+            "piper step, training or forward-only, the same number of times in the same order), or it "
+            "crashed. To evaluate on some ranks only, call the step inside piper.local() under "
+            "torch.no_grad() (pure data parallel), or call it on every rank.")
+
+
+FAILED = -1  # the program field of a rank that could not capture or plan its call
+
+
+def post_failure(rank: int, world: int, batch: int, nargs: int, forward_only: bool, timeout_s: float) -> None:
+    """A rank whose call failed before it could plan posts its row anyway (program ``FAILED``), so the
+    other ranks raise at once instead of waiting for it; best effort, the rank then raises its own error."""
+    if world <= 1 or not dist.is_initialized() or dist.get_backend() == "fake":
+        return
+    check = CallCheck(CallRecord(-1, FAILED, -1, batch, nargs, forward_only), CallLayout(1, (0,), 1, (0,) * world),
+                      rank, world, timeout_s)
+    try:
+        check._wait()
+    except PiperRuntimeError:
+        pass
+
+
+def validate(rows: list[CallRecord], layout: CallLayout) -> None:
+    """Raise (on every rank: every rank sees the same table) unless every rank makes the same call with
+    a batch the plan can run: non-empty, divisible into the micro-batches, equal within a replica."""
+    failed = [rank for rank, r in enumerate(rows) if r.program == FAILED]
+    if failed:
+        raise PiperRuntimeError(
+            f"piper: rank{'s' if len(failed) > 1 else ''} {failed if len(failed) > 1 else failed[0]} could not start "
+            "this call: it raised an error while capturing or planning the step (that rank's own error says "
+            "why; every other rank raises this)")
+    first = rows[0]
+    if not all(r.same_call(first) for r in rows):
+        groups: dict[str, list[int]] = defaultdict(list)
+        for rank, r in enumerate(rows):
+            groups[r.describe()].append(rank)
+        what = "; ".join(f"rank{'s' if len(v) > 1 else ''} {v if len(v) > 1 else v[0]}: {k}" for k, v in groups.items())
+        raise PiperRuntimeError(
+            f"piper: the ranks are making different calls (every rank raises this): {what}. Every rank must "
+            "make the same piper calls in the same order: a step call (training, or forward-only under "
+            "torch.no_grad()) is collective over the world. To evaluate on some ranks only, call the step "
+            "inside piper.local() under torch.no_grad() (pure data parallel), or call it on every rank.")
+    m = layout.microbatches
+    bad = [(rank, r.batch) for rank, r in enumerate(rows) if r.batch <= 0 or r.batch % m]
+    if bad:
+        raise PiperRuntimeError(
+            f"piper: local batch sizes {', '.join(f'{b} on rank {k}' for k, b in bad)} cannot be split into "
+            f"{m} micro-batches (every rank raises this). Pass each rank a non-empty batch that is a multiple "
+            f"of {m}: drop or pad the last partial batch, or split it differently across replicas.")
+    by_replica: dict[int, set[int]] = defaultdict(set)
+    for rank, r in enumerate(rows):
+        by_replica[layout.replica[rank]].add(rank)
+    for ranks in by_replica.values():
+        sizes = {rows[k].batch for k in ranks}
+        if len(sizes) > 1:
+            raise PiperRuntimeError(
+                f"piper: ranks {sorted(ranks)} hold one replica of the model (pipeline stages or a tensor-parallel "
+                f"group) and must get the same local batch, but got {[rows[k].batch for k in sorted(ranks)]} "
+                "(every rank raises this). Pass every rank of a replica the same batch.")
+
+
+def replicas(world: int, pairs: list[tuple[int, int]]) -> tuple[int, ...]:
+    """Replica id per rank: ranks joined by ``pairs`` (point-to-point peers, tensor-parallel partners)
+    see the same batch; the id is the smallest rank of the component."""
+    parent = list(range(world))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in pairs:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    return tuple(find(r) for r in range(world))
+
+
+def call_layout(dag: Any, world: int) -> CallLayout:
+    """The ``CallLayout`` of a lowered DAG."""
+    from piper_compile.ir.dag import Kind
+
+    pairs: list[tuple[int, int]] = []
+    for n in dag.of_kind(Kind.SEND):
+        pairs += list(zip(n.devices, n.attr("dst")))
+    for n in dag.of_kind(Kind.COMPUTE):
+        for g in n.attr("tp_groups") or ():
+            pairs += [(g[0], r) for r in g[1:]]
+    holders = tuple(dag.meta["loss_group"])
+    return CallLayout(dag.meta["split"], holders, dag.meta.get("tp_size", 1), replicas(world, pairs))

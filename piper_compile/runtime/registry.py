@@ -1,0 +1,106 @@
+"""Which training state a model trains with: one ``TrainState`` per model instance.
+
+Dynamo may hand two module instances of one class the same compiled code (it guards on types and
+tensor properties, not on which module is called, and two equal ``options`` dicts make equal
+backends), so a compiled step cannot assume the parameters it was captured with are the ones it is
+called with. The runtime identifies a model by the exact parameter objects a call passes (see
+``CompiledStep.bind``); the user-facing API identifies it by the module (``state_of_module``). Both
+meet here: a state's parameter set is the set of parameter objects its calls pass, compared by
+identity, never by ``id()`` alone (ids are reused once an object dies) and never by "any parameter
+in common" (two models sharing a trunk are two models).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from piper_compile.errors import PiperError
+from piper_compile.runtime.state import TrainState
+
+_LIVE: "weakref.WeakSet[TrainState]" = weakref.WeakSet()
+_BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, TrainState]" = weakref.WeakKeyDictionary()
+_COUNTER = itertools.count()
+
+
+def _same_set(a: Iterable[Any], b: Iterable[Any]) -> bool:
+    ia = {id(x): x for x in a}
+    ib = {id(x): x for x in b}
+    return ia.keys() == ib.keys() and all(ia[k] is ib[k] for k in ia)
+
+
+def _covers(big: Iterable[Any], small: Iterable[Any]) -> bool:
+    ib = {id(x): x for x in big}
+    return all(ib.get(id(x)) is x for x in small)
+
+
+def live_states() -> list[TrainState]:
+    """Every training state alive in this process, in creation order."""
+    return sorted(_LIVE, key=lambda s: s.index)
+
+
+def state_for(params: list[nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None) -> TrainState:
+    """The state of the model whose calls pass exactly ``params``: an existing one (the grad and no-grad
+    programs of one model share it; a state made by the API for the module before its first call,
+    holding all of the module's parameters, is adopted), or a new one."""
+    states = live_states()
+    st = next((s for s in states if _same_set(s.params, params)), None)
+    if st is None:
+        pre = [s for s in states if s.from_module and not s.steps and _covers(s.params, params)]
+        st = pre[0] if len(pre) == 1 else None
+    if st is None:
+        st = TrainState(list(params), factory)
+        st.index = next(_COUNTER)
+        _LIVE.add(st)
+    elif st.factory is None:
+        st.factory = factory
+    return st
+
+
+def state_of_module(module: nn.Module, factory: Callable[..., torch.optim.Optimizer] | None = None,
+                    create: bool = False) -> TrainState | None:
+    """The state ``module`` trains with (the link is remembered per module instance). Before its first
+    call a state holding all of the module's parameters is made when ``create`` (so that e.g.
+    ``piper.optimizer(step)`` works before training starts)."""
+    st = _BY_MODULE.get(module)
+    if st is not None:
+        return st
+    mine = list(module.parameters())
+    found = [s for s in live_states() if s.params and _covers(mine, s.params)]
+    if len(found) > 1:  # e.g. a model and a sub-model both compiled: the one with every parameter
+        exact = [s for s in found if _same_set(s.params, mine)]
+        widest = max(found, key=lambda s: len(s.params))
+        found = exact or [widest]
+    if found:
+        _BY_MODULE[module] = found[0]
+        return found[0]
+    if not create:
+        return None
+    st = TrainState(mine, factory)
+    st.index = next(_COUNTER)
+    st.from_module = True
+    _LIVE.add(st)
+    _BY_MODULE[module] = st
+    return st
+
+
+def check_shared_parameters(st: TrainState) -> None:
+    """Parameters shared by two compiled models train exactly only while both update them in place as
+    eager would (no ZeRO flattening, no expert / tensor-parallel pieces, no released stages); otherwise
+    one model would write into storage the other re-laid out. Raised at the first call that would mix."""
+    mine = {id(p): p for p in st.params}
+    for other in live_states():
+        if other is st or not other.steps:
+            continue
+        shared = [f for f, p in other.named.items() if mine.get(id(p)) is p]
+        if shared and not (st.is_plain and other.is_plain):
+            raise PiperError(
+                f"piper: this model shares {len(shared)} parameter(s) ({', '.join(sorted(shared)[:4])}"
+                f"{', ...' if len(shared) > 4 else ''}) with another model compiled with piper, and one of them "
+                "shards or releases parameters (ZeRO, expert/tensor parallel or pipeline stages), so their "
+                "updates would land on storage the other re-laid out. Fix: compile one module that contains "
+                "both (e.g. a wrapper whose forward returns the sum of both losses), or give each model its own "
+                "copy of the shared weights, or train them with plain data parallelism (zero=0)")
