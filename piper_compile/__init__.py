@@ -48,7 +48,7 @@ from piper_compile.api import (  # noqa: E402
 from piper_compile.backend import piper_backend  # noqa: E402
 from piper_compile.capture.annotate import annotate  # noqa: E402
 from piper_compile.checkpoint import (  # noqa: E402
-    full_state_dict, load, load_full_state_dict, materialize_optimizer_state, save, sharded_state_dict,
+    CheckpointIncomplete, LoadResult, full_state_dict, load, load_full_state_dict, materialize_optimizer_state, save, sharded_state_dict,
 )
 from piper_compile.directives import order, pipeline, place, replicate, shard, shard_tensor, split  # noqa: E402
 from piper_compile.memory import memory_report  # noqa: E402
@@ -58,4 +58,4 @@ from piper_compile.errors import PiperCaptureError, PiperDirectiveError, PiperEr
 __all__ = ["StaticPlan", "plan", "trained_parameters", "memory_report", "PiperCaptureError", "PiperDirectiveError", "PiperError", "PiperPlanError", "PiperRuntimeError", "annotate",
            "compiled_steps", "explain", "last_stats", "local", "optimizer", "order", "piper_backend", "pipeline", "place",
            "replicate", "schedules", "shard", "shard_tensor", "split", "full_state_dict", "load", "load_full_state_dict",
-           "materialize_optimizer_state", "save", "sharded_state_dict"]
+           "materialize_optimizer_state", "save", "sharded_state_dict", "CheckpointIncomplete", "LoadResult"]
