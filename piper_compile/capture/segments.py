@@ -2,8 +2,8 @@
 
 Region rule for untagged nodes (documented in docs/design.md): an untagged node joins the region of
 its *latest-computed* tagged input (so gradient accumulation of a tied weight lands in the region whose
-backward runs last); a node with no tagged input joins the region of its first tagged user; a graph
-with no tags at all is one region ``{}``.
+backward runs last); a node with no tagged input joins the region of those of its users that starts first
+in the graph (its earliest stage); a graph with no tags at all is one region ``{}``.
 """
 from __future__ import annotations
 
@@ -163,8 +163,18 @@ def assign_regions(gm: fx.GraphModule, defer_forward_only: bool = False) -> tupl
             region[n.name] = region[max(tagged_inputs, key=lambda a: index[a.name]).name]
         else:
             pending.append(n)
+    # a forward node with no tagged input joins the region of its users that starts first (the first node
+    # tagged with it comes earliest): a value made before every layer and used by several (a position index
+    # the masks of a later layer read first, as in Gemma 2/3 with 2 layers) must not join a later stage.
+    # A deferred backward node joins its first user's region (backward runs the stages in reverse).
+    start: dict[Region, int] = {}
+    for n in nodes:
+        if tags[n.name]:
+            start.setdefault(region[n.name], index[n.name])
     for n in reversed(pending):
-        users = sorted((u for u in n.users if u.name in region), key=lambda u: index[u.name])
+        forward = passes[n.name] == "F"
+        users = sorted((u for u in n.users if u.name in region),
+                       key=lambda u: (start.get(region[u.name], 0) if forward else 0, index[u.name]))
         if users:
             region[n.name] = region[users[0].name]
     first = next(iter(region.values()))

@@ -27,3 +27,18 @@ def test_gpt2_with_labels_compiles_despite_warning_once():
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_values_made_before_the_layers_join_the_first_stage_that_uses_them():
+    """Gemma 2/3 with a sliding-window layer 0 and a full-attention layer 1 build layer 1's mask first, from
+    ``cache_position = arange(seq)``, which layer 0 reads too. By "first tagged user" the arange joined
+    stage 1 and stage 0 read it from there: ``RegionCycleError: segments F.PP0 <- F.PP1 <- F.PP0``. A
+    value with no tagged input now joins the earliest stage among its users'."""
+    model = HFLoss("gemma2", seed=0)
+    model.annotate_stages(2)
+    x, y = model.make_batch(4, torch.Generator().manual_seed(0))
+    dirs = [*piper.pipeline(2), piper.split(2), *piper.schedules.one_f_one_b(2, 2)]
+    p = piper.plan(model, x, y, directives=dirs, world_size=2)
+    stage0 = {v for s in p.segments.values() if dict(s.region) == {"PP": 0} for v in s.outputs}
+    stage1_reads = {v for s in p.segments.values() if dict(s.region) == {"PP": 1} for v in s.inputs}
+    assert "arange" in stage0 and "arange" in stage1_reads
