@@ -1,14 +1,16 @@
 """User-facing helpers that act on a compiled step (``torch.compile(model, backend="piper")``)."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import types
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from piper_compile.backend import CompiledStep, Options
 from piper_compile.capture.joint import source_names
-from piper_compile.errors import PiperError
+from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
 from piper_compile.runtime.registry import state_of_module
@@ -117,10 +119,47 @@ class StaticPlan:
         return "\n".join(p.to_text() for p in self.programs)
 
 
+@contextlib.contextmanager
+def _forward_of_its_own(model: nn.Module) -> Iterator[None]:
+    """Run ``model.forward`` through a copy of its function with a code object of its own while planning.
+
+    Dynamo keeps its compiled entries on the code object of the frame it compiles (``forward``), at most
+    ``recompile_limit`` (8) of them per code object. Each ``piper.plan`` compiles with a new capture
+    backend, so planning on the model's own ``forward`` code added an entry per call: the 9th call raised
+    ``FailOnRecompileLimitHit`` and the user's own ``torch.compile(model)`` found the budget spent. The copy
+    (same globals, closure, defaults and source lines, so the same graph and source names) takes the entry
+    and is dropped afterwards with it."""
+    bound = model.forward
+    func = getattr(bound, "__func__", None)
+    if not isinstance(bound, types.MethodType) or not isinstance(func, types.FunctionType):
+        yield  # not a plain method (a callable object, a builtin): compile it as it is
+        return
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__ = func.__kwdefaults__
+    own.__dict__.update(func.__dict__)
+    had = "forward" in model.__dict__
+    before = model.__dict__.get("forward")
+    model.__dict__["forward"] = types.MethodType(own, model)  # found before the class's forward
+    try:
+        yield
+    finally:
+        if had:
+            model.__dict__["forward"] = before
+        else:
+            del model.__dict__["forward"]
+
+
 def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int, forward_only: bool = False,
          options: dict[str, Any] | None = None) -> StaticPlan:
     """Capture ``model`` on ``example_args`` (one local replica's batch) and plan ``directives`` for
-    ``world_size`` ranks without launching anything; the programs are verified together."""
+    ``world_size`` ranks without launching anything; the programs are verified together. Planning leaves
+    no Dynamo cache entry on the model's code: call it in a loop, then compile the model yourself."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PiperDirectiveError(None, {"world_size": world_size},
+                                  f"world_size must be a whole number of ranks, at least 1; got {world_size!r}",
+                                  "pass world_size=N, the number of processes the plan is for (for a pipeline "
+                                  "of S stages replicated D times, S * D)")
     captured: dict[str, Any] = {}
 
     def stash(gm: Any, example_inputs: list[Any], **_: Any) -> Any:
@@ -128,7 +167,8 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
         captured["sources"] = source_names(gm)
         return lambda *args: (torch.zeros(()),)  # only the graph is needed: run nothing
 
-    torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*example_args)
+    with _forward_of_its_own(model):
+        torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*example_args)
     cs = CompiledStep(captured["gm"], captured["inputs"], {**(options or {}), "directives": directives},
                       world=(0, world_size), sources=captured["sources"])
     return StaticPlan(*cs.build(forward_only), cs.segments)

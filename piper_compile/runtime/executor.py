@@ -22,7 +22,7 @@ from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime import expert, tensor_parallel
 from piper_compile.runtime.consistency import CallCheck, Weights
-from piper_compile.runtime.groups import GroupRegistry
+from piper_compile.runtime.groups import GroupRegistry, describe_failure
 from piper_compile.runtime.reorder import Fillers, needs, overlap_partners, still_read
 from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
 from piper_compile.runtime.trace import Recorder
@@ -241,20 +241,24 @@ class Executor:
             # timeout (set from options["timeout"] when the group was created) aborts a stuck op.
             work.wait()
             return
+        t0 = time.perf_counter()
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - gloo raises a plain RuntimeError on timeout
-            raise self._timeout_error(ins, pos, e) from None
+        except Exception as e:  # noqa: BLE001 - gloo raises a plain RuntimeError (timeout, peer gone)
+            raise self._timeout_error(ins, pos, e, time.perf_counter() - t0) from None
         if ok is False:
-            raise self._timeout_error(ins, pos, None)
+            raise self._timeout_error(ins, pos, None, time.perf_counter() - t0)
 
-    def _timeout_error(self, ins: Instr, pos: int, cause: Exception | None) -> PiperRuntimeError:
-        peer = f" with peer rank {ins.peer}" if ins.peer is not None else f" with group {list(ins.node.devices)}"
-        why = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause else ""
+    def _timeout_error(self, ins: Instr, pos: int, cause: Exception | None,
+                       waited_s: float | None = None) -> PiperRuntimeError:
+        """The step's failure at a communication wait: a peer that closed its connection (crashed or
+        exited) is said to have done so, after the time it took; only a real timeout is called one."""
+        peers = [ins.peer] if ins.peer is not None else [r for r in ins.node.devices if r != self.rank]
+        what = describe_failure(cause, self.timeout_s if waited_s is None else waited_s, self.timeout_s,
+                                peers or [self.rank])
         return PiperRuntimeError(
             f"piper: rank {self.rank}: {ins.short()} (instruction {pos} of {len(self.program.instrs)}, stream "
-            f"{ins.node.stream!r}){peer} did not complete within {self.timeout_s:.0f}s{why}. The peer has likely "
-            "failed or is running a different schedule; raise options['timeout'] if the step is just slow.")
+            f"{ins.node.stream!r}) {what}.")
 
     def _weights(self) -> Weights:
         """The call check's result (waited for here the first time): every rank makes this call, and how

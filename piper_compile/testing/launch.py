@@ -1,7 +1,12 @@
 """Run a function on N local gloo processes (``torch.multiprocessing`` spawn) and collect results.
 
 Used by the example (when not under torchrun), the dist tests and the benchmarks. A child that fails
-sends its traceback; a child that hangs past ``timeout_s`` is killed and reported.
+sends its traceback; a child that hangs past ``timeout_s`` is killed and reported; a child that dies
+without reporting (a signal, ``os._exit``) is reported at once; and a child that reported its result but
+then exits badly (a crash in a destructor at interpreter exit: ``terminate called without an active
+exception``, SIGABRT) fails the run too, with its rank, the signal and the tail of its stderr. Each
+child's stderr goes to a file of its own that a thread copies to this process's stderr line by line as it
+arrives, so the output is live and the tail is at hand.
 
 ``PIPER_RANK_NETNS=ns0,ns1,...`` (set by ``benchmarks/emulated_link.py --per-rank``) puts rank r in network
 namespace ``ns<r>`` before it connects, so each rank talks over a link of its own (interface
@@ -12,7 +17,13 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import queue as queue_mod
+import signal
 import socket
+import sys
+import tempfile
+import threading
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -53,7 +64,11 @@ def enter_rank_netns(rank: int, world: int) -> str:
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, threads: int,
-           backend: str) -> None:
+           backend: str, log: str | None) -> None:
+    if log is not None:  # fd 2 itself, so that C++ (c10d, gloo, std::terminate) writes there too
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     try:
@@ -76,39 +91,146 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
                 pass
 
 
+class _StderrCopier:
+    """Each child's stderr in a file of its own; a thread copies complete new lines to this process's
+    stderr as they arrive (live output, ranks' lines not torn apart) and the tail stays readable."""
+
+    def __init__(self, world_size: int) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="piper_run_local_")
+        self.paths = [os.path.join(self.dir.name, f"rank{r}.stderr") for r in range(world_size)]
+        for path in self.paths:
+            open(path, "wb").close()
+        self._offsets = [0] * world_size
+        self._partial = [b""] * world_size
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="piper-stderr-copier", daemon=True)
+        self._thread.start()
+
+    def _copy(self, final: bool = False) -> None:
+        for r, path in enumerate(self.paths):
+            with open(path, "rb") as f:
+                f.seek(self._offsets[r])
+                data = f.read()
+            self._offsets[r] += len(data)
+            data = self._partial[r] + data
+            cut = len(data) if final else data.rfind(b"\n") + 1
+            self._partial[r] = data[cut:]
+            if cut:
+                try:
+                    sys.stderr.write(data[:cut].decode(errors="replace"))
+                    sys.stderr.flush()
+                except (OSError, ValueError):  # our stderr closed: keep the files, lose the copy
+                    pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self._copy()
+
+    def tail(self, rank: int, lines: int = 20) -> str:
+        with open(self.paths[rank], "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._copy(final=True)
+        self.dir.cleanup()
+
+
+def exit_description(code: int | None) -> str:
+    """``exit code 1`` / ``signal SIGABRT`` for a child's ``Process.exitcode``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
-              threads: int = 1, backend: str = "gloo") -> list[Any]:
+              threads: int = 1, backend: str = "gloo", dies: tuple[int, ...] = ()) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` local processes (gloo; ``backend="nccl"`` puts
-    rank r on GPU r); returns results by rank."""
+    rank r on GPU r); returns results by rank. Raises if any rank raised, hung, died, or exited with a
+    nonzero code or a signal after reporting its result. ``dies``: ranks a test ends on purpose (a
+    crash drill); each may end without reporting, and its result is then how it exited
+    (``"signal SIGKILL"``, ``"exit code 3"``)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads, backend), daemon=False)
+    logs = _StderrCopier(world_size)
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, threads, backend, logs.paths[r]),
+                         daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    import queue as queue_mod
+    killed: set[int] = set()
     try:
-        while len(results) + len(errors) < world_size:
-            try:
-                rank, ok, payload = queue.get(timeout=timeout_s)
-            except queue_mod.Empty:
-                raise TimeoutError(f"piper: local run of {world_size} processes did not finish within {timeout_s}s; "
-                                   f"finished ranks: {sorted(results)}") from None
-            if ok:
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break
+        try:
+            _collect(procs, queue, results, errors, timeout_s, logs, dies)
+        finally:
+            for r, p in enumerate(procs):
+                p.join(timeout=5 if errors or len(results) < world_size else 60)
+            for r, p in enumerate(procs):
+                if p.is_alive():
+                    killed.add(r)
+                    p.kill()
+                    p.join()
+        if not errors:  # every rank reported success: each must also have exited cleanly
+            for r, p in enumerate(procs):
+                if r in dies:
+                    continue
+                if r in killed:
+                    errors.append(f"--- rank {r} ---\nreported its result but did not exit within 60s (killed); "
+                                  f"the end of its stderr:\n{logs.tail(r)}")
+                elif p.exitcode != 0:
+                    errors.append(f"--- rank {r} ---\nreported its result but then exited with "
+                                  f"{exit_description(p.exitcode)} (a crash at interpreter exit); the end of its "
+                                  f"stderr:\n{logs.tail(r)}")
     finally:
-        for p in procs:
-            p.join(timeout=5 if errors or len(results) < world_size else 60)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        logs.close()
     if errors:
         raise RuntimeError("piper: a rank failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _collect(procs: list[Any], queue: Any, results: dict[int, Any], errors: list[str], timeout_s: float,
+             logs: _StderrCopier, dies: tuple[int, ...]) -> None:
+    """Take the children's reports until all are in, one is a failure, one died without reporting (not
+    one of ``dies``), or ``timeout_s`` passed without any report."""
+    world_size = len(procs)
+    last = time.monotonic()
+    while len(results) < world_size:
+        try:
+            rank, ok, payload = queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+            if dead:
+                try:  # its report may still be in the pipe behind the exit
+                    rank, ok, payload = queue.get(timeout=2)
+                except queue_mod.Empty:
+                    for r in (r for r in dead if r in dies):
+                        results[r] = exit_description(procs[r].exitcode)
+                    if all(r in dies for r in dead):
+                        continue
+                    r = next(r for r in dead if r not in dies)
+                    errors.append(f"--- rank {r} ---\ndied without reporting a result ("
+                                  f"{exit_description(procs[r].exitcode)}); the end of its stderr:\n{logs.tail(r)}")
+                    return
+            elif time.monotonic() - last > timeout_s:
+                raise TimeoutError(f"piper: local run of {world_size} processes did not finish within {timeout_s}s; "
+                                   f"finished ranks: {sorted(results)}") from None
+            else:
+                continue
+        last = time.monotonic()
+        if ok:
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+            return
