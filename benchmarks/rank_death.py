@@ -123,10 +123,10 @@ def first_message(stderr: str) -> str:
     """The first line of the ``piper:`` error a rank printed, else its last error-looking line (torch
     prefixes each line of a rank's stderr with ``[rankN]:``)."""
     lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in stderr.splitlines()]
-    for line in lines:
-        i = line.find("piper: ")
-        if i >= 0 and ("Error" in line[:i] or i == 0):
-            return line[i:]
+    for line in lines:  # an exception line (not indented: traceback source lines are)
+        m = re.match(r"^(?:[\w.]+: )?(piper: .*)", line)
+        if m:
+            return m.group(1)
     errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
     if errors:
         return errors[-1]
