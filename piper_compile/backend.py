@@ -117,7 +117,6 @@ class Plan:
     executor: Executor
     fingerprint: int = 0  # of the DAG's text: equal on every rank that planned the same strategy
     layout: CallLayout | None = None  # what the call check needs (runtime/consistency.py)
-    local: Executor | None = None  # the forward-only program without its loss all-reduce (piper.local())
 
 
 @dataclass
@@ -168,6 +167,7 @@ class CompiledStep:
         # by forward_only, and the steps of the other instances by their parameters' ids.
         self.blueprints: dict[bool, Blueprint] = {}
         self._bindings: dict[tuple[int, ...], list[CompiledStep]] = {}
+        self._local: Executor | None = None  # piper.local(): forward-only, no communication (per model)
 
     @property
     def options(self) -> Options:
@@ -263,11 +263,7 @@ class CompiledStep:
         bp = self.blueprint(forward_only)
         dag, programs = bp.dag, bp.programs
         program = programs[self.rank]
-        seg_names = {i.node.attr("segment") for i in program.instrs
-                     if i.node.attr("segment") and not i.node.attr("ep_role") and not i.node.attr("tp_role")}
-        for name in seg_names:
-            if name not in self.compiled:
-                self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)
+        self._compile_segments(program)
         groups = None
         if self.world > 1:
             groups = GroupRegistry(self.options.timeout_s)
@@ -279,10 +275,32 @@ class CompiledStep:
             self.state.release_unused(_unread_params(dag, program))
         check_shared_parameters(self.state)
         executor = self._executor(program, groups, dag, forward_only)
-        local = self._executor(_without_loss_reduce(program), None, dag, True) \
-            if forward_only and _only_loss_traffic(program) else None
-        self.plans[forward_only] = Plan(dag, programs, executor, bp.fingerprint, bp.layout, local)
+        self.plans[forward_only] = Plan(dag, programs, executor, bp.fingerprint, bp.layout)
         return self.plans[forward_only]
+
+    def _compile_segments(self, program: Program) -> None:
+        seg_names = {i.node.attr("segment") for i in program.instrs
+                     if i.node.attr("segment") and not i.node.attr("ep_role") and not i.node.attr("tp_role")}
+        for name in seg_names:
+            if name not in self.compiled:
+                self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)
+
+    def _local_executor(self) -> Executor:
+        """The forward-only program without its loss all-reduce, for ``piper.local()`` calls: made on this
+        rank alone, so it creates no process group (that would be collective)."""
+        if self._local is None:
+            bp = self.blueprint(True)
+            program = bp.programs[self.rank]
+            if not _only_loss_traffic(program):
+                traffic = next(i.short() for i in program.instrs
+                               if i.node.kind.is_comm and i.node.attr("purpose") != "loss")
+                raise PiperError(f"piper: piper.local(): this step's forward-only program communicates ({traffic} "
+                                 f"on rank {self.rank}: pipeline stages, ZeRO-3 gathers, expert or tensor "
+                                 "parallelism), so it cannot run on one rank alone. Call it under torch.no_grad() "
+                                 "on every rank instead")
+            self._compile_segments(program)
+            self._local = self._executor(_without_loss_reduce(program), None, bp.dag, True)
+        return self._local
 
     def _executor(self, program: Program, groups: GroupRegistry | None, dag: TrainingDAG,
                   forward_only: bool) -> Executor:
@@ -337,6 +355,7 @@ class CompiledStep:
         other.joint = dataclasses.replace(self.joint, params=params, buffers=buffers)
         other.plans = {}
         other._bindings = {}
+        other._local = None
         other.state = state_for(list(params.values()), self.options.optimizer)
         other.state.steps.append(other)
         return other
@@ -384,21 +403,14 @@ class CompiledStep:
         if train:
             raise PiperError("piper: piper.local() runs forward-only calls on this rank alone; wrap the call in "
                              "torch.no_grad() (a training step is collective over the world)")
-        plan = self.plan(forward_only=True)
-        if plan.local is None:
-            traffic = next(i.short() for i in plan.programs[self.rank].instrs
-                           if i.node.kind.is_comm and i.node.attr("purpose") != "loss")
-            raise PiperError(f"piper: piper.local(): this step's forward-only program communicates ({traffic} on "
-                             f"rank {self.rank}: pipeline stages, ZeRO-3 gathers, expert or tensor parallelism), so "
-                             "it cannot run on one rank alone. Call it under torch.no_grad() on every rank instead")
         assert self.state is not None
         if not self.state.broadcast_done:
             raise PiperError("piper: piper.local(): the model has not made a collective call yet (its first call "
                              "makes every replica start from rank 0's weights); call the step on every rank first")
-        self.state.shard()
-        record = CallRecord(self.state.index, plan.fingerprint, -1, self._local_batch(args), len(args), True)
-        assert plan.layout is not None
-        return plan.local.run(list(args), CallCheck.alone(record, plan.layout.microbatches))
+        executor = self._local_executor()
+        bp = self.blueprint(True)
+        record = CallRecord(self.state.index, bp.fingerprint, -1, self._local_batch(args), len(args), True)
+        return executor.run(list(args), CallCheck.alone(record, bp.layout.microbatches))
 
     def _local_batch(self, args: tuple[Any, ...]) -> int:
         """The leading size of the batched inputs (all equal), or the micro-batch count if none is batched."""

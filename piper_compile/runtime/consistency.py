@@ -127,8 +127,9 @@ def _check_group(timeout_s: float) -> Any:
     any other piper group: so every rank makes it first, whatever program it is about to run)."""
     world = dist.group.WORLD
     if _GROUP[0] is not world:
-        _GROUP[:] = [world, dist.new_group(list(range(dist.get_world_size())), backend="gloo",
-                                           timeout=timedelta(seconds=timeout_s), group_desc="piper:check")]
+        from piper_compile.runtime.groups import new_groups  # names a rank that never arrives
+
+        _GROUP[:] = [world, new_groups([(tuple(range(dist.get_world_size())), "piper:check", "gloo")], timeout_s)[0]]
     return _GROUP[1]
 
 
@@ -167,25 +168,51 @@ class CallCheck:
         return self._weights
 
     def _wait(self) -> None:
+        """Wait for the table. Only a check still open after ``_SLOW_S`` costs anything more: this rank
+        then notes in the store that it is here, so that on a timeout the ranks that never joined this
+        call are named (the ones without a note)."""
         work, self.work = self.work, None
+        deadline = self.started + _SLOW_S
+        while not work.is_completed() and time.perf_counter() < deadline:
+            time.sleep(1e-4)
+        store = None
+        if not work.is_completed():
+            store = dist.distributed_c10d._get_default_store()
+            store.set(self._here(self.rank), "1")
+        left = max(self.timeout_s - (time.perf_counter() - self.started), 0.1)
         try:
-            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
+            ok = work.wait(timeout=timedelta(seconds=left))
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on timeout or a closed peer
-            raise self._stuck(e) from None
+            raise self._stuck(e, store) from None
         if ok is False:
-            raise self._stuck(None)
+            raise self._stuck(None, store)
 
-    def _stuck(self, cause: Exception | None) -> PiperRuntimeError:
+    def _here(self, rank: int) -> str:
+        return f"piper/check/{self.record.model}/{self.record.call}/{int(self.record.forward_only)}/{rank}"
+
+    def _absent(self, store: Any) -> list[int]:
+        """Ranks that left no note for this call (they never made it), or [] if the store cannot say."""
+        try:
+            return [r for r in range(self.world) if r != self.rank and not store.check([self._here(r)])]
+        except Exception:  # noqa: BLE001 - the store's host is gone too
+            return []
+
+    def _stuck(self, cause: Exception | None, store: Any) -> PiperRuntimeError:
+        from piper_compile.runtime.groups import describe_failure, peer_closed
+
         waited = time.perf_counter() - self.started
-        why = f" ({type(cause).__name__}: {str(cause).splitlines()[0]})" if cause is not None else ""
+        absent = self._absent(store) if store is not None and not peer_closed(cause) else []
+        peers = absent or [r for r in range(self.world) if r != self.rank]
+        what = describe_failure(cause, waited, self.timeout_s, peers)
+        who = (f" rank(s) {absent} never made this call." if absent else "")
         return PiperRuntimeError(
-            f"piper: rank {self.rank}: the call check of {self.record.describe()} did not complete after "
-            f"{waited:.1f}s{why}: some rank of the world is not making this call (every rank must call a "
-            "piper step, training or forward-only, the same number of times in the same order), or it "
-            "crashed. To evaluate on some ranks only, call the step inside piper.local() under "
-            "torch.no_grad() (pure data parallel), or call it on every rank.")
+            f"piper: rank {self.rank}: the call check of {self.record.describe()} {what}.{who} Every rank must "
+            "call a piper step (training or forward-only) the same number of times in the same order; to "
+            "evaluate on some ranks only, call the step inside piper.local() under torch.no_grad() (pure data "
+            "parallel), or call it on every rank.")
 
 
+_SLOW_S = 1.0  # a check open this long notes its rank in the store (see CallCheck._wait)
 FAILED = -1  # the program field of a rank that could not capture or plan its call
 
 
