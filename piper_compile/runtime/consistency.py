@@ -180,11 +180,15 @@ class CallCheck:
             store = dist.distributed_c10d._get_default_store()
             store.set(self._here(self.rank), "1")
         left = max(self.timeout_s - (time.perf_counter() - self.started), 0.1)
+        from piper_compile.runtime.groups import settle
+
         try:
             ok = work.wait(timeout=timedelta(seconds=left))
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on timeout or a closed peer
+            settle(work)
             raise self._stuck(e, store) from None
         if ok is False:
+            settle(work)
             raise self._stuck(None, store)
 
     def _here(self, rank: int) -> str:

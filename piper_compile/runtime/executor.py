@@ -22,7 +22,7 @@ from piper_compile.ir.dag import Kind, param_fqn
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime import expert, tensor_parallel
 from piper_compile.runtime.consistency import CallCheck, Weights
-from piper_compile.runtime.groups import GroupRegistry, describe_failure
+from piper_compile.runtime.groups import GroupRegistry, describe_failure, settle
 from piper_compile.runtime.reorder import Fillers, needs, overlap_partners, still_read
 from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
 from piper_compile.runtime.trace import Recorder
@@ -245,9 +245,13 @@ class Executor:
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo raises a plain RuntimeError (timeout, peer gone)
-            raise self._timeout_error(ins, pos, e, time.perf_counter() - t0) from None
+            waited = time.perf_counter() - t0
+            settle(work)
+            raise self._timeout_error(ins, pos, e, waited) from None
         if ok is False:
-            raise self._timeout_error(ins, pos, None, time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            settle(work)
+            raise self._timeout_error(ins, pos, None, waited)
 
     def _timeout_error(self, ins: Instr, pos: int, cause: Exception | None,
                        waited_s: float | None = None) -> PiperRuntimeError:

@@ -148,6 +148,20 @@ def cause_line(cause: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
+def settle(work: Any, grace_s: float = 2.0) -> None:
+    """After a wait on ``work`` timed out: give the collective a moment to fail by itself. piper creates
+    every group with ``options["timeout"]``, so gloo's own timeout ends the operation at about the same
+    time; until it does, a gloo worker thread is inside the collective, and a process that exits then
+    (the user's script ending on piper's error) aborts at interpreter exit with ``terminate called without
+    an active exception`` instead of exiting with its traceback's status."""
+    deadline = time.perf_counter() + grace_s
+    try:
+        while not work.is_completed() and time.perf_counter() < deadline:
+            time.sleep(1e-3)
+    except Exception:  # noqa: BLE001 - a failed work may raise from is_completed: it is settled
+        pass
+
+
 def peer_closed(cause: BaseException | None) -> bool:
     """Whether a communication error says the other side closed the connection (it crashed or exited)."""
     text = str(cause).lower() if cause is not None else ""
