@@ -109,14 +109,9 @@ class Outcome:
 
 
 def _status(code: int | None) -> str:
-    if code is None:
-        return "killed at limit"
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit {code}"
+    from piper_compile.testing.launch import exit_description
+
+    return "killed at limit" if code is None else exit_description(code)
 
 
 def first_message(stderr: str) -> str:
