@@ -67,7 +67,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict:
     # For the parity check: the parameters this rank updates, by position in model.parameters().
     cs = piper.compiled_steps(step)[0]
     program = cs.plans[False].programs[rank]
-    owned = {f for i in program.instrs if i.node.kind.value == "UPDATE" for f in i.node.attr("params")}
+    owned = {f for i in program.instrs if i.node.kind.value == "UPDATE" for f in i.node.op.params}
     ids = {id(p): f for f, p in cs.joint.params.items()}
     params = {k: p.detach().clone() for k, p in enumerate(model.parameters()) if ids.get(id(p)) in owned}
     return {"losses": losses, "params": params, "eval_loss": None}

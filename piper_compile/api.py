@@ -98,7 +98,7 @@ def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
     shards are all-gathered, so every rank of a ZeRO group must call this together."""
     cs = trained_step(step)
     upd = cs.plans[False].programs[cs.rank].update_node()
-    names = list(upd.attr("params")) if upd is not None else []
+    names = list(upd.op.params) if upd is not None else []  # type: ignore[attr-defined]
     zero = cs.state.zero if cs.state is not None else None
     groups = cs.plans[False].executor.groups
     gathered = zero.gather_full(groups) if zero is not None else {}

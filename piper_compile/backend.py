@@ -24,6 +24,8 @@ from piper_compile.directives.spec import (
 )
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
+from piper_compile.ir.ops import LossReduce, ParamGather
+from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.ir.shard import ParamShard
 from piper_compile.passes.build import build_dag
 from piper_compile.passes.context import PassContext
@@ -279,8 +281,7 @@ class CompiledStep:
         return self.plans[forward_only]
 
     def _compile_segments(self, program: Program) -> None:
-        seg_names = {i.node.attr("segment") for i in program.instrs
-                     if i.node.attr("segment") and not i.node.attr("ep_role") and not i.node.attr("tp_role")}
+        seg_names = {i.node.op.segment for i in program.instrs if isinstance(i.node.op, SegmentOp)}
         for name in seg_names:
             if name not in self.compiled:
                 self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)
@@ -293,7 +294,7 @@ class CompiledStep:
             program = bp.programs[self.rank]
             if not _only_loss_traffic(program):
                 traffic = next(i.short() for i in program.instrs
-                               if i.node.kind.is_comm and i.node.attr("purpose") != "loss")
+                               if i.node.kind.is_comm and not isinstance(i.node.op, LossReduce))
                 raise PiperError(f"piper: piper.local(): this step's forward-only program communicates ({traffic} "
                                  f"on rank {self.rank}: pipeline stages, ZeRO-3 gathers, expert or tensor "
                                  "parallelism), so it cannot run on one rank alone. Call it under torch.no_grad() "
@@ -436,20 +437,20 @@ def _leading_size(args: tuple[Any, ...]) -> int:
 
 def _only_loss_traffic(program: Program) -> bool:
     """Whether the program's only communication is the loss all-reduce (it can run on one rank alone)."""
-    return all(not i.node.kind.is_comm or i.node.attr("purpose") == "loss" for i in program.instrs)
+    return all(not i.node.kind.is_comm or isinstance(i.node.op, LossReduce) for i in program.instrs)
 
 
 def _without_loss_reduce(program: Program) -> Program:
-    return Program(program.rank, [i for i in program.instrs if i.node.attr("purpose") != "loss"])
+    return Program(program.rank, [i for i in program.instrs if not isinstance(i.node.op, LossReduce)])
 
 
 def _unread_params(dag: TrainingDAG, program: Program) -> set[str]:
     """Trained parameters that no instruction of ``program`` reads or updates (other stages' weights)."""
-    trained = {f for n in dag.of_kind(Kind.UPDATE) for f in n.attr("params")}
+    trained = {f for n in dag.of_kind(Kind.UPDATE) for f in n.op.params}  # type: ignore[attr-defined]
     mine = {param_fqn(v) for i in program.instrs for v in i.node.inputs} - {None}
     upd = program.update_node()
-    mine |= set(upd.attr("params")) if upd is not None else set()
-    mine |= {f for i in program.instrs if i.node.kind is Kind.ALL_GATHER for f in i.node.attr("params") or ()}
+    mine |= set(upd.op.params) if upd is not None else set()  # type: ignore[attr-defined]
+    mine |= {f for i in program.instrs if isinstance(i.node.op, ParamGather) for f in i.node.op.params}
     return trained - mine  # type: ignore[return-value]
 
 

@@ -33,13 +33,13 @@ class Ctx:
     @functools.cached_property
     def trained(self) -> list[str]:
         u = self.programs[self.rank].update_node()
-        return list(u.attr("params")) if u is not None else []
+        return list(u.op.params) if u is not None else []
 
     @functools.cached_property
     def update_shards(self) -> list[str]:
         """The ZeRO buckets this rank's update steps (by the training program)."""
         u = self.programs[self.rank].update_node()
-        return sorted(u.attr("shards") or ()) if u is not None else []
+        return sorted(u.op.shards) if u is not None else []
 
     @property
     def unsharded_yet(self) -> bool:
@@ -59,7 +59,7 @@ class Ctx:
         out: dict[str, list[int]] = {}
         for p in self.programs:
             u = p.update_node()
-            for f in (u.attr("params") if u is not None else ()):
+            for f in (u.op.params if u is not None else ()):
                 out.setdefault(f, []).append(p.rank)
         return out
 

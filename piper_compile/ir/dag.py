@@ -11,44 +11,24 @@ import dataclasses
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Iterable, Iterator
+
+from piper_compile.ir.kind import Kind
+from piper_compile.ir.ops import Op, op_from_fields
 
 TagValue = int | str
 Tags = tuple[tuple[str, TagValue], ...]
 Attrs = tuple[tuple[str, Any], ...]
 
 
-class Kind(Enum):
-    """Node kinds. COMPUTE runs a compiled segment; the others move or reduce tensors."""
-
-    COMPUTE = "COMPUTE"
-    SEND = "SEND"
-    RECV = "RECV"
-    ALL_REDUCE = "ALL_REDUCE"
-    REDUCE_SCATTER = "REDUCE_SCATTER"
-    ALL_GATHER = "ALL_GATHER"
-    ALL_TO_ALL = "ALL_TO_ALL"
-    BROADCAST = "BROADCAST"
-    UPDATE = "UPDATE"
-    FREE = "FREE"
-
-    @property
-    def is_comm(self) -> bool:
-        return self in _COMM_KINDS
-
-    @property
-    def is_collective(self) -> bool:
-        return self in _COLLECTIVE_KINDS
-
-
-_COLLECTIVE_KINDS = frozenset(
-    {Kind.ALL_REDUCE, Kind.REDUCE_SCATTER, Kind.ALL_GATHER, Kind.ALL_TO_ALL, Kind.BROADCAST}
-)
-_COMM_KINDS = _COLLECTIVE_KINDS | {Kind.SEND, Kind.RECV}
-
-
 PARAM_PREFIX = "param:"
+
+# Keys that were node annotations before ops were typed and are now an op's fields or its type: reading
+# one from ``attrs`` would silently answer None. ``mb`` and ``zero`` stay annotations of compute steps too.
+_NOT_ATTRS = frozenset({"purpose", "ep_role", "tp_role", "for", "state", "region_label", "segment", "grads",
+                        "params", "msg", "dst", "src", "shape", "dtype", "subgroups", "bucket", "boundary", "loss",
+                        "level", "scatter", "per_microbatch", "holders", "max_norm", "ep_params", "shards",
+                        "norm_params", "experts", "accumulate", "role", "for_step", "label", "collective"})
 
 
 def param_fqn(value: str) -> str | None:
@@ -72,16 +52,22 @@ def format_tags(tags: Tags | dict[str, TagValue]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """One step of the training DAG, run SPMD-style by every rank in ``devices``."""
+    """One step of the training DAG, run SPMD-style by every rank in ``devices``. ``op`` says what the step
+    is and holds its rules (``ir/ops``); ``attrs`` are annotations the directive passes leave on compute
+    steps for the lowering passes (who placed or replicated it, with which settings)."""
 
     name: str
-    kind: Kind
+    op: Op
     tags: Tags = ()
     devices: tuple[int, ...] = ()
     stream: str = "compute"
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     attrs: Attrs = ()
+
+    @property
+    def kind(self) -> Kind:
+        return self.op.kind
 
     def tag(self, key: str, default: Any = None) -> Any:
         for k, v in self.tags:
@@ -90,6 +76,11 @@ class Node:
         return default
 
     def attr(self, key: str, default: Any = None) -> Any:
+        """A directive annotation (not the op's fields: read those from ``node.op``; asking for one of
+        them, or for a key that became an op's type, raises rather than answer ``None`` forever)."""
+        if key in _NOT_ATTRS:
+            raise KeyError(f"piper: internal: {key!r} is not a node annotation: read it from node.op "
+                           f"({type(self.op).__name__})")
         for k, v in self.attrs:
             if k == key:
                 return v
@@ -107,21 +98,22 @@ class Node:
         d.update(changes)
         return dataclasses.replace(self, attrs=tuple(sorted(d.items())))
 
-    def short(self) -> str:
+    def with_op(self, **changes: Any) -> "Node":
+        """This node with some fields of its op changed."""
+        return dataclasses.replace(self, op=dataclasses.replace(self.op, **changes))
+
+    def short(self, peer: int | None = None) -> str:
         """Compact label used in per-rank program listings, e.g. ``F1.mb3`` or ``SEND.x->r2``."""
-        if self.kind is Kind.COMPUTE:
-            region = self.attr("region_label", "")
-            mb = self.tag("MB")
-            return f"{self.tag('PASS', '?')}{region}" + ("" if mb is None else f".mb{mb}")
-        return self.name
+        return self.op.short(self, peer)
 
     def to_text(self) -> str:
         dev = ",".join(map(str, self.devices)) or "-"
         attrs = json.dumps(dict(self.attrs), sort_keys=True, separators=(",", ":"))
+        op = json.dumps(self.op.fields(), separators=(",", ":"))
         return (
             f"{self.kind.value} {self.name} dev={dev} stream={self.stream} "
             f"in={','.join(self.inputs) or '-'} out={','.join(self.outputs) or '-'} "
-            f"tags={format_tags(self.tags)} attrs={attrs}"
+            f"tags={format_tags(self.tags)} op={self.op.NAME}{op} attrs={attrs}"
         )
 
 
@@ -137,8 +129,11 @@ def parse_node(line: str) -> Node:
     assert rest.startswith("tags="), line
     decoder = json.JSONDecoder()
     tag_dict, end = decoder.raw_decode(rest, len("tags="))
+    assert rest[end:].startswith(" op="), line
+    brace = rest.index("{", end)
+    op_name = rest[end + len(" op="):brace]
+    op_fields, end = decoder.raw_decode(rest, brace)
     assert rest[end:].startswith(" attrs="), line
-    attrs_text = rest[end + len(" attrs="):]
 
     def field_(text: str, key: str) -> str:
         assert text.startswith(key + "="), (text, key)
@@ -148,17 +143,12 @@ def parse_node(line: str) -> Node:
         return () if text == "-" else tuple(text.split(","))
 
     d = field_(dev, "dev")
-    attrs = {k: _tuplify(v) for k, v in json.loads(attrs_text).items()}
-    return Node(
-        name=name,
-        kind=Kind(kind),
-        tags=tuple(tag_dict.items()),
-        devices=() if d == "-" else tuple(int(x) for x in d.split(",")),
-        stream=field_(stream, "stream"),
-        inputs=names(field_(ins, "in")),
-        outputs=names(field_(outs, "out")),
-        attrs=tuple(sorted(attrs.items())),
-    )
+    attrs = {k: _tuplify(v) for k, v in json.loads(rest[end + len(" attrs="):]).items()}
+    node = Node(name=name, op=op_from_fields(op_name, op_fields), tags=tuple(tag_dict.items()),
+                devices=() if d == "-" else tuple(int(x) for x in d.split(",")), stream=field_(stream, "stream"),
+                inputs=names(field_(ins, "in")), outputs=names(field_(outs, "out")), attrs=tuple(sorted(attrs.items())))
+    assert node.kind.value == kind, (line, node.kind)
+    return node
 
 
 @dataclass

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from piper_compile.capture.segments import Segment, region_label
-from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
+from piper_compile.ir.dag import Node, TrainingDAG, make_tags
+from piper_compile.ir.ops import Segment as SegmentOp
 
 
 def build_dag(segments: list[Segment], forward_only: bool = False) -> TrainingDAG:
@@ -13,14 +14,8 @@ def build_dag(segments: list[Segment], forward_only: bool = False) -> TrainingDA
             continue
         tags = make_tags({**dict(seg.region), "PASS": seg.pass_})
         label = str(seg.region[0][1]) if [k for k, _ in seg.region] == ["PP"] else region_label(seg.region)
-        attrs: dict[str, object] = {"segment": seg.name, "region_label": label}
-        if seg.boundary:
-            attrs["boundary"] = seg.boundary
-        if seg.loss:
-            attrs["loss"] = seg.loss
-        if seg.grads and not forward_only:
-            attrs["grads"] = tuple(seg.grads)
-        dag.add(Node(seg.name, Kind.COMPUTE, tags, (), "compute", seg.inputs, seg.outputs,
-                     tuple(sorted(attrs.items()))))
+        op = SegmentOp(seg.name, label, seg.loss or None, tuple(seg.grads) if seg.grads and not forward_only else (),
+                       seg.boundary or None)
+        dag.add(Node(seg.name, op, tags, (), "compute", seg.inputs, seg.outputs))
     dag.meta["segments"] = {s.name: s for s in segments}
     return dag

@@ -2,11 +2,13 @@
 ``PiperDirectiveError`` (directive index + JSON, what is wrong, how to fix it)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Callable, Iterable
 
 from piper_compile.directives.spec import ANY, Directive, Filter, Order, Place, Replicate, Split, filter_matches
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.passes.context import PassContext
 
 
@@ -127,16 +129,13 @@ def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
         return f"{v}@mb{k}" if (v in produced or ctx.is_batched(v)) else v
 
     for n in dag:
+        assert isinstance(n.op, SegmentOp), n.name  # the split comes before any lowering
         for k in range(m):
-            attrs = dict(n.attrs)
-            attrs["mb"] = k
-            if "loss" in attrs:
-                attrs["loss"] = rename(attrs["loss"], k)
-            if "grads" in attrs:
-                attrs["grads"] = tuple((rename(v, k), fqn) for v, fqn in attrs["grads"])
-            out.add(n.with_(name=f"{n.name}.mb{k}", tags=tuple(sorted({**n.tag_dict, d.dim_name: k}.items())),
+            op = dataclasses.replace(n.op, loss=rename(n.op.loss, k) if n.op.loss else None,
+                                     grads=tuple((rename(v, k), fqn) for v, fqn in n.op.grads))
+            out.add(n.with_(name=f"{n.name}.mb{k}", op=op, tags=tuple(sorted({**n.tag_dict, d.dim_name: k}.items())),
                             inputs=tuple(rename(v, k) for v in n.inputs),
-                            outputs=tuple(rename(v, k) for v in n.outputs), attrs=tuple(sorted(attrs.items()))))
+                            outputs=tuple(rename(v, k) for v in n.outputs)).with_attrs(mb=k))
     for a, b in dag.order_edges:
         for k in range(m):
             out.add_order(f"{a}.mb{k}", f"{b}.mb{k}")

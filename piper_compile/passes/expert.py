@@ -15,6 +15,7 @@ are not reduced across the group (``dag.meta["ep_params"]`` lists them for the g
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 from torch import fx
 
@@ -22,6 +23,8 @@ from piper_compile.capture.segments import boundary_kind
 from piper_compile.directives.spec import Shard
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, param_fqn
+from piper_compile.ir.ops import ExpertA2A, ExpertCounts, ExpertStep, Op
+from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.directive_passes import check_ranks, match
 
@@ -31,7 +34,7 @@ EP_ATTRS = ("ep_by", "ep_devices", "ep_stream")
 def apply_shard(dag: TrainingDAG, d: Shard, ctx: PassContext) -> TrainingDAG:
     """Mark the expert steps of the matched regions for expert parallelism over ``d.devices``."""
     check_ranks(d, d.devices, ctx)
-    nodes = [n for n in match(dag, d, d.filter, ctx) if n.attr("boundary") in ("moe_fwd", "moe_bwd")]
+    nodes = [n for n in match(dag, d, d.filter, ctx) if _boundary(n) in ("moe_fwd", "moe_bwd")]
     if not nodes:
         raise d.error(f"filter {d.filter} matches no MoE experts op (piper_compile.nn.MoE / "
                       "piper_compile.nn.moe_experts), so there is nothing to shard",
@@ -42,6 +45,10 @@ def apply_shard(dag: TrainingDAG, d: Shard, ctx: PassContext) -> TrainingDAG:
     return dag
 
 
+def _boundary(n: Node) -> str | None:
+    return n.op.boundary if isinstance(n.op, SegmentOp) else None
+
+
 def _derived(value: str, what: str) -> str:
     """``y@mb3`` -> ``y.what@mb3`` (the micro-batch suffix stays last)."""
     base, sep, mb = value.partition("@mb")
@@ -50,12 +57,12 @@ def _derived(value: str, what: str) -> str:
 
 def _op_node(ctx: PassContext, n: Node) -> fx.Node:
     """The expert op of step ``n``'s segment."""
-    return next(x for x in ctx.segments[n.attr("segment")].gm.graph.nodes if boundary_kind(x))
+    return next(x for x in ctx.segments[n.op.segment].gm.graph.nodes if boundary_kind(x))  # type: ignore[attr-defined]
 
 
 def _op_args(ctx: PassContext, n: Node) -> dict[int, str]:
     """Argument position of the op -> the node's input value (through the segment's placeholders)."""
-    phs = {p.name: i for i, p in enumerate(ctx.segments[n.attr("segment")].gm.graph.find_nodes(op="placeholder"))}
+    phs = {p.name: i for i, p in enumerate(ctx.segments[n.op.segment].gm.graph.find_nodes(op="placeholder"))}  # type: ignore[attr-defined]
     return {k: n.inputs[phs[a.name]] for k, a in enumerate(_op_node(ctx, n).args)}
 
 
@@ -71,19 +78,19 @@ def _group(n: Node) -> tuple[int, ...]:
     return tuple(n.devices)
 
 
-def _chain(dag: TrainingDAG, n: Node, group: tuple[int, ...], steps: list[tuple[str, Kind, tuple[str, ...],
-           tuple[str, ...], dict[str, object]]]) -> None:
+Step = tuple[str, tuple[str, ...], tuple[str, ...], Op]  # (role, inputs, outputs, op)
+
+
+def _chain(dag: TrainingDAG, n: Node, group: tuple[int, ...], steps: list[Step]) -> None:
+    """Replace step ``n`` by ``steps`` in a chain, on the expert-parallel group."""
     stream = n.attr("ep_stream") or "ep"
-    base = {k: v for k, v in n.attrs if k not in EP_ATTRS + ("grads", "boundary")}  # keeps the op's segment
+    notes = tuple((k, v) for k, v in n.attrs if k not in EP_ATTRS)  # placement and replication stay
     names = []
-    for role, kind, ins, outs, extra in steps:
-        attrs = {**base, "ep_role": role, "ep_group": group, **extra}
-        if kind is Kind.ALL_TO_ALL:
-            attrs = {"ep_role": role, "ep_group": group, "mb": n.attr("mb", 0), "purpose": "ep", **extra}
+    for role, ins, outs, op in steps:
         # the counts exchange has a group of its own: it never queues behind the rows another chain has in flight
         comm_stream = f"{stream}_counts" if role == "counts" else stream
-        node = Node(f"{n.name}.{role}", kind, n.tags, group, comm_stream if kind.is_comm else n.stream,
-                    ins, outs, tuple(sorted(attrs.items())))
+        node = Node(f"{n.name}.{role}", op, n.tags, group, comm_stream if op.kind.is_comm else n.stream, ins, outs,
+                    notes if op.kind is Kind.COMPUTE else (("mb", n.attr("mb", 0)),))
         dag.add(node)
         if names:
             dag.add_order(names[-1], node.name)
@@ -95,17 +102,15 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     """Replace every expert step marked by ``shard`` (on more than one rank) by its all-to-all chain."""
     marked = [n for n in dag.of_kind(Kind.COMPUTE) if n.attr("ep_by") is not None]
     ep_params: dict[str, tuple[tuple[int, ...], int, str]] = dag.meta.setdefault("ep_params", {})
-    fwd_of: dict[str, Node] = {}  # routing (idx) value -> forward step
-    for n in marked:
-        if n.attr("boundary") == "moe_fwd":
-            fwd_of[_op_args(ctx, n)[1]] = n
+    fwd_of = {_op_args(ctx, n)[1]: n for n in marked if _boundary(n) == "moe_fwd"}  # routing value -> forward
     for n in marked:
         group = _group(n)
         if len(group) == 1:
             dag.replace(n.with_(attrs=tuple((k, v) for k, v in n.attrs if k not in EP_ATTRS)))
             continue
         args = _op_args(ctx, n)
-        w0 = 2 if n.attr("boundary") == "moe_fwd" else 3
+        forward = _boundary(n) == "moe_fwd"
+        w0 = 2 if forward else 3
         experts = int(_op_node(ctx, n).args[w0].meta["val"].shape[0])
         if experts % len(group):
             raise PiperDirectiveError(n.attr("ep_by"), {"shard": n.name},
@@ -114,49 +119,63 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         weights = tuple(args[w0 + i] for i in range(3))
         for w in weights:
             ep_params[param_fqn(w)] = (group, experts, n.attr("ep_stream") or "ep")  # type: ignore[index]
-        info: dict[str, object] = {"experts": experts}
-        fwd_seg = ctx.segments[(n if n.attr("boundary") == "moe_fwd" else fwd_of.get(args[2], n)).attr("segment")]
+        fwd_seg = ctx.segments[(n if forward else fwd_of.get(args[2], n)).op.segment]  # type: ignore[attr-defined]
+        rows: tuple[tuple[Any, ...], str] = ((), "")
         if fwd_seg.boundary == "moe_fwd":  # rows x features each all-to-all moves (the simulator's cost)
-            info["shape"], info["dtype"] = fwd_seg.out_meta[fwd_seg.outputs[0]]
-        if n.attr("boundary") == "moe_fwd":
-            x, idx, y = args[0], args[1], n.outputs[0]
-            recv, route, yrecv, yback, counts = (_derived(y, w) for w in ("recv", "route", "yrecv", "yback",
-                                                                           "counts"))
-            _chain(dag, n, group, [
-                ("counts", Kind.ALL_TO_ALL, (idx,), (counts,), {"experts": experts}),  # no rows: latency only
-                ("dispatch", Kind.ALL_TO_ALL, (x, idx, counts), (recv, route), info),
-                ("experts", Kind.COMPUTE, (recv, route) + weights, (yrecv,), info),
-                ("combine", Kind.ALL_TO_ALL, (yrecv, route), (yback,), info),
-                ("unpermute", Kind.COMPUTE, (yback, route), (y,), info),
-            ])
-        else:
-            f = fwd_of.get(args[2])
-            if f is None:
-                raise PiperDirectiveError(n.attr("ep_by"), {"shard": n.name},
-                                          f"the backward expert step {n.name} is sharded but its forward is not",
-                                          "let the shard filter match the forward and backward of the MoE region")
-            y = f.outputs[0]
-            recv, route = _derived(y, "recv"), _derived(y, "route")
-            gy = args[0]
-            seg = ctx.segments[n.attr("segment")]
-            grad_outs = _grad_outputs(seg, n)
-            ggrecv, gxrecv, gxback = (_derived(y, w) for w in ("grecv", "gxrecv", "gxback"))
-            gx = grad_outs.get(0)
-            ws = tuple(grad_outs.get(i + 1) or _derived(y, f"gw{i}") for i in range(3))
-            grads = dict(n.attr("grads") or ())
-            if all(w in grads for w in ws):  # the step adds the weight grads straight into their buffers
-                extra: dict[str, object] = {"grads": tuple((w, grads[w]) for w in ws), "accumulate_grads": True}
-            else:
-                extra = {"grads": n.attr("grads")}
-            chain = [
-                ("dispatch", Kind.ALL_TO_ALL, (gy, route), (ggrecv,), info),
-                ("experts", Kind.COMPUTE, (ggrecv, route, recv) + weights, (gxrecv,) + ws, {**info, **extra}),
-            ]
-            if gx is not None:
-                chain += [("combine", Kind.ALL_TO_ALL, (gxrecv, route), (gxback,), info),
-                          ("unpermute", Kind.COMPUTE, (gxback, route), (gx,), info)]
-            _chain(dag, n, group, chain)
+            shape, dtype = fwd_seg.out_meta[fwd_seg.outputs[0]]
+            rows = (tuple(shape), dtype)
+        chain = _forward_chain(n, args, weights, experts, rows) if forward else \
+            _backward_chain(ctx, n, args, weights, experts, rows, fwd_of)
+        _chain(dag, n, group, chain)
     return dag
+
+
+def _forward_chain(n: Node, args: dict[int, str], weights: tuple[str, ...], experts: int,
+                   rows: tuple[tuple[Any, ...], str]) -> list[Step]:
+    seg, label, mb = n.op.segment, n.op.label, n.attr("mb", 0)  # type: ignore[attr-defined]
+    x, idx, y = args[0], args[1], n.outputs[0]
+    recv, route, yrecv, yback, counts = (_derived(y, w) for w in ("recv", "route", "yrecv", "yback", "counts"))
+    return [
+        ("counts", (idx,), (counts,), ExpertCounts(experts, mb)),  # no rows: latency only
+        ("dispatch", (x, idx, counts), (recv, route), ExpertA2A("dispatch", experts, *rows, mb=mb)),
+        ("experts", (recv, route) + weights, (yrecv,), ExpertStep("experts", seg, label, experts, *_rows(rows))),
+        ("combine", (yrecv, route), (yback,), ExpertA2A("combine", experts, *rows, mb=mb)),
+        ("unpermute", (yback, route), (y,), ExpertStep("unpermute", seg, label, experts, *_rows(rows))),
+    ]
+
+
+def _rows(rows: tuple[tuple[Any, ...], str]) -> tuple[Any, ...]:
+    """ExpertStep's positional fields after ``experts``: no gradients, no accumulation, the rows."""
+    return ((), False, rows[0], rows[1])
+
+
+def _backward_chain(ctx: PassContext, n: Node, args: dict[int, str], weights: tuple[str, ...], experts: int,
+                    rows: tuple[tuple[Any, ...], str], fwd_of: dict[str, Node]) -> list[Step]:
+    f = fwd_of.get(args[2])
+    if f is None:
+        raise PiperDirectiveError(n.attr("ep_by"), {"shard": n.name},
+                                  f"the backward expert step {n.name} is sharded but its forward is not",
+                                  "let the shard filter match the forward and backward of the MoE region")
+    op: SegmentOp = n.op  # type: ignore[assignment]
+    mb, y = n.attr("mb", 0), f.outputs[0]
+    recv, route = _derived(y, "recv"), _derived(y, "route")
+    grad_outs = _grad_outputs(ctx.segments[op.segment], n)
+    ggrecv, gxrecv, gxback = (_derived(y, w) for w in ("grecv", "gxrecv", "gxback"))
+    gx = grad_outs.get(0)
+    ws = tuple(grad_outs.get(i + 1) or _derived(y, f"gw{i}") for i in range(3))
+    grads = dict(op.grads)
+    accumulate = all(w in grads for w in ws)  # the step adds the weight grads straight into their buffers
+    step_grads = tuple((w, grads[w]) for w in ws) if accumulate else op.grads
+    chain: list[Step] = [
+        ("dispatch", (args[0], route), (ggrecv,), ExpertA2A("dispatch", experts, *rows, mb=mb, forward=False)),
+        ("experts", (ggrecv, route, recv) + weights, (gxrecv,) + ws,
+         ExpertStep("experts", op.segment, op.label, experts, step_grads, accumulate, *rows, forward=False)),
+    ]
+    if gx is not None:
+        chain += [("combine", (gxrecv, route), (gxback,), ExpertA2A("combine", experts, *rows, mb=mb, forward=False)),
+                  ("unpermute", (gxback, route), (gx,),
+                   ExpertStep("unpermute", op.segment, op.label, experts, (), False, *rows, forward=False))]
+    return chain
 
 
 def _grad_outputs(seg: object, n: Node) -> dict[int, str]:

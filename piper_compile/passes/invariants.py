@@ -23,19 +23,19 @@ def check_invariants(dag: TrainingDAG, ctx: PassContext) -> None:
             p = dag.nodes.get(prod.get(v, ""))
             if p is not None and p.devices != n.devices:
                 fail(f"{n.name} reads {v} from {p.name} on other ranks without a SEND/RECV")
-    sends = Counter(n.attr("msg") for n in dag.of_kind(Kind.SEND))
-    recvs = Counter(n.attr("msg") for n in dag.of_kind(Kind.RECV))
+    sends = Counter(n.op.msg for n in dag.of_kind(Kind.SEND))  # type: ignore[attr-defined]
+    recvs = Counter(n.op.msg for n in dag.of_kind(Kind.RECV))  # type: ignore[attr-defined]
     if sends != recvs:
         fail(f"unmatched SEND/RECV messages {sorted((sends - recvs) + (recvs - sends))}")
     if not ctx.forward_only:
         updated: set[str] = set()
         for n in dag.of_kind(Kind.UPDATE):
-            params = list(n.attr("params", ()))
+            params = list(n.op.params)  # type: ignore[attr-defined]
             dup = sorted({p for p in params if params.count(p) > 1})
             if dup:
                 fail(f"{n.name} updates {dup} twice")
             updated.update(params)
-        written = {fqn for n in dag.of_kind(Kind.COMPUTE) for _, fqn in n.attr("grads", ()) or ()}
+        written = {fqn for n in dag.of_kind(Kind.COMPUTE) for _, fqn in n.op.grad_outputs()}
         if written - updated:
             fail(f"parameters {sorted(written - updated)} get gradients but no UPDATE")
     for group, z in dag.meta.get("zero", {}).items():

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
+from piper_compile.ir.ops import GradReduce, LossReduce, NormReduce, ParamGather, Recv, Send, TpCollective, Update
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.expert import lower_expert_parallel
 from piper_compile.passes.tensor_parallel import dp_subgroups, lower_tensor_parallel
@@ -53,9 +54,9 @@ def _check_order_devices(dag: TrainingDAG) -> None:
 
 
 def _recv_meta(ctx: PassContext, producer: Node, value: str) -> tuple[tuple[str, ...], str]:
-    if producer.attr("segment") is None:  # a collective standing for a marker step (tensor parallel)
-        return producer.attr("shape"), producer.attr("dtype")
-    seg = ctx.segments[producer.attr("segment")]
+    if isinstance(producer.op, TpCollective):  # a collective standing for a marker step (tensor parallel)
+        return producer.op.shape, producer.op.dtype
+    seg = ctx.segments[producer.op.segment]  # type: ignore[attr-defined]
     base = value.rsplit("@mb", 1)[0]
     return seg.out_meta[base]
 
@@ -93,11 +94,9 @@ def _add_send_recv(dag: TrainingDAG, ctx: PassContext, p: Node, c: Node, v: str)
                          "on the consuming ranks. Please report this with the model")
     out = f"{v}>{dst}"
     tags = tuple((k, val) for k, val in p.tags)
-    send = Node(f"SEND.{v}>{dst}", Kind.SEND, tags, p.devices, stream, (v,), (),
-                tuple(sorted({"dst": c.devices, "msg": out, "mb": p.attr("mb", 0)}.items())))
-    recv = Node(f"RECV.{v}>{dst}", Kind.RECV, tags, c.devices, stream, (), (out,),
-                tuple(sorted({"src": p.devices, "msg": out, "shape": shape, "dtype": dtype,
-                              "mb": p.attr("mb", 0)}.items())))
+    mb = p.attr("mb", 0)
+    send = Node(f"SEND.{v}>{dst}", Send(out, c.devices, mb), tags, p.devices, stream, (v,), ())
+    recv = Node(f"RECV.{v}>{dst}", Recv(out, p.devices, tuple(shape), dtype, mb), tags, c.devices, stream, (), (out,))
     dag.add(send)
     dag.add(recv)
     dag.meta.setdefault("sends", []).append((send.name, recv.name, src))
@@ -107,7 +106,7 @@ def _add_send_recv(dag: TrainingDAG, ctx: PassContext, p: Node, c: Node, v: str)
 def _grad_writers(dag: TrainingDAG) -> dict[str, list[Node]]:
     writers: dict[str, list[Node]] = defaultdict(list)
     for n in dag.of_kind(Kind.COMPUTE):
-        for _, fqn in n.attr("grads", ()) or ():
+        for _, fqn in n.op.grad_outputs():
             writers[fqn].append(n)
     return writers
 
@@ -118,7 +117,7 @@ def _buckets(fqns: list[str], writers: dict[str, list[Node]]) -> list[list[str]]
     out: list[list[str]] = []
     last = None
     for f in fqns:
-        seg = writers[f][0].attr("segment")
+        seg = writers[f][0].op.segment  # type: ignore[attr-defined]
         if seg != last:
             out.append([])
             last = seg
@@ -130,9 +129,8 @@ def _sync_node(dag: TrainingDAG, name: str, kind: Kind, group: tuple[int, ...], 
                bucket: list[str] | tuple[str, ...], after: list[Node], zero: int, suffix: str = "",
                **extra: object) -> Node:
     """One gradient reduction (all-reduce or reduce-scatter) of a bucket, ordered after ``after``."""
-    node = dag.add(Node(name + suffix, kind, make_tags({"BUCKET": name.rsplit(".", 1)[1]}), group, stream, (), (),
-                        tuple(sorted({"params": tuple(bucket), "purpose": "grad", "zero": zero,
-                                      "bucket": name.split(".", 1)[1], **extra}.items()))))
+    op = GradReduce(name.split(".", 1)[1], tuple(bucket), zero, kind is Kind.REDUCE_SCATTER, **extra)  # type: ignore[arg-type]
+    node = dag.add(Node(name + suffix, op, make_tags({"BUCKET": name.rsplit(".", 1)[1]}), group, stream))
     for w in after:
         dag.add_order(w.name, node.name)
     return node
@@ -178,7 +176,7 @@ def _sync_per_microbatch(dag: TrainingDAG, name: str, group: tuple[int, ...], st
     nodes: list[Node] = []
     for k in sorted(by_mb):
         nodes.append(_sync_node(dag, name, Kind.REDUCE_SCATTER, group, stream, bucket, by_mb[k], zero,
-                                f".mb{k}", accumulate=True, mb=k))
+                                f".mb{k}", per_microbatch=True, mb=k))
         if len(nodes) > 1:
             for w in by_mb[k]:
                 dag.add_order(nodes[-2].name, w.name)
@@ -226,10 +224,8 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         src = next(iter({w.devices for w in writers[fqn]}))
         for dst in sorted(groups - {src}):
             msg = f"grad:{fqn}>{group_label(dst)}"
-            send = dag.add(Node(f"SEND.{msg}", Kind.SEND, (), src, P2P_GRAD, (), (),
-                                tuple(sorted({"dst": dst, "msg": msg, "state": fqn, "mb": 0}.items()))))
-            recv = dag.add(Node(f"RECV.{msg}", Kind.RECV, (), dst, P2P_GRAD, (), (),
-                                tuple(sorted({"src": src, "msg": msg, "state": fqn, "mb": 0}.items()))))
+            send = dag.add(Node(f"SEND.{msg}", Send(msg, dst, state=fqn), (), src, P2P_GRAD))
+            recv = dag.add(Node(f"RECV.{msg}", Recv(msg, src, state=fqn), (), dst, P2P_GRAD))
             for r in ready_after[fqn]:
                 dag.add_order(r, send.name)
             update_deps[dst].append(recv.name)
@@ -244,8 +240,7 @@ def _insert_grad_norm(dag: TrainingDAG, ctx: PassContext, update_deps: dict[tupl
     gradient is final on every group and before any update."""
     if ctx.clip_grad_norm is None:
         return []
-    node = dag.add(Node("AR.gradnorm", Kind.ALL_REDUCE, (), ctx.world, NORM_STREAM, (), (),
-                        (("max_norm", ctx.clip_grad_norm), ("purpose", "gradnorm"))))
+    node = dag.add(Node("AR.gradnorm", NormReduce(ctx.clip_grad_norm), (), ctx.world, NORM_STREAM))
     for deps in update_deps.values():
         for d in deps:
             dag.add_order(d, node.name)
@@ -259,14 +254,11 @@ def _insert_update(dag: TrainingDAG, group: tuple[int, ...], held: dict[str, set
     params += sorted(f for f in by_group.get(group, []) if f not in params)
     # gradient-norm accounting: each gradient counted once in the world (by its writer group)
     own = tuple(sorted(set(by_group.get(group, ()))))
-    attrs: dict[str, object] = {"params": tuple(params), "norm_params": own}
+    # expert shards: every rank updates (and counts in the gradient norm) its own experts
     ep = tuple(sorted(f for f in params if f in dag.meta.get("ep_params", {})))
-    if ep:  # expert shards: every rank updates (and counts in the gradient norm) its own experts
-        attrs["ep_params"] = ep
-    if z is not None:
-        attrs.update(zero=z.level, shards=tuple(b for b, _ in z.buckets))
-    upd = dag.add(Node(f"UPD.{group_label(group)}", Kind.UPDATE, (), group, "compute", (), (),
-                       tuple(sorted(attrs.items()))))
+    op = Update(tuple(params), own, ep, z.level if z is not None else 0,
+                tuple(b for b, _ in z.buckets) if z is not None else ())
+    upd = dag.add(Node(f"UPD.{group_label(group)}", op, (), group, "compute"))
     for dep in deps:
         dag.add_order(dep, upd.name)
     for n in dag.of_kind(Kind.COMPUTE):  # the update rewrites parameters every compute step reads
@@ -276,22 +268,19 @@ def _insert_update(dag: TrainingDAG, group: tuple[int, ...], held: dict[str, set
         for b, fqns in z.buckets:  # tensor parallel: within each data-parallel subgroup (its own node)
             for sub in z.subgroups or (group,):
                 name = f"AG.{b}" + (f".{group_label(sub)}" if z.subgroups else "")
-                ag = dag.add(Node(name, Kind.ALL_GATHER, (), sub, z.gather_stream, (), (),
-                                  tuple(sorted({"bucket": b, "params": fqns, "zero": z.level,
-                                                "purpose": "param"}.items()))))
+                ag = dag.add(Node(name, ParamGather(b, tuple(fqns), z.level), (), sub, z.gather_stream))
                 dag.add_order(upd.name, ag.name)
 
 
 def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     """The step's loss: local mean over micro-batches, then the mean over replicas on every rank."""
-    holders = [n for n in dag.of_kind(Kind.COMPUTE) if n.attr("loss")]
+    holders = [n for n in dag.of_kind(Kind.COMPUTE) if getattr(n.op, "loss", None)]
     if not holders:
         raise PiperError("piper: internal: no segment produces the loss")
     dag.meta["loss_group"] = holders[0].devices
     if ctx.world_size == 1:
         return dag
-    ar = dag.add(Node("AR.loss", Kind.ALL_REDUCE, (), ctx.world, LOSS_STREAM, (), (),
-                      (("holders", holders[0].devices), ("purpose", "loss"))))
+    ar = dag.add(Node("AR.loss", LossReduce(holders[0].devices), (), ctx.world, LOSS_STREAM))
     for n in holders:
         dag.add_order(n.name, ar.name)
     return dag

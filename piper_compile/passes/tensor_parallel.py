@@ -16,6 +16,8 @@ from piper_compile.capture.segments import boundary_kind
 from piper_compile.directives.spec import ShardTensor
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.ir.ops import Segment as SegmentOp
+from piper_compile.ir.ops import SequenceChunk, TpCollective
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.directive_passes import check_ranks, match
 
@@ -54,8 +56,9 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     index, spec, stream = dag.meta["tp"]
     sizes = set()
     for n in list(dag.of_kind(Kind.COMPUTE)):
+        boundary = n.op.boundary if isinstance(n.op, SegmentOp) else None
         if n.attr("tp_by") is None:
-            if n.attr("boundary") in _COLLECTIVES:
+            if boundary in _COLLECTIVES:
                 raise PiperDirectiveError(index, {"shard_tensor": n.name}, f"{n.name} holds a layer split by params "
                                           "but the directive's filter does not match its region",
                                           "widen the filter (or leave it empty) to cover every sharded layer")
@@ -68,30 +71,30 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         sizes.add(len(groups[0]))
         n = n.with_attrs(tp_groups=groups)
         dag.replace(n)
-        if n.attr("boundary") in _COLLECTIVES:
-            _lower_marker(dag, n, groups, stream, ctx)
+        if boundary in _COLLECTIVES:
+            _lower_marker(dag, n, boundary, groups, stream, ctx)
     dag.meta["tp_size"] = max(sizes) if sizes else 1
     return dag
 
 
-_COLLECTIVES = {"tp_allreduce": Kind.ALL_REDUCE, "tp_all_gather": Kind.ALL_GATHER, "tp_gather": Kind.ALL_GATHER,
-                "tp_reduce_scatter": Kind.REDUCE_SCATTER, "tp_scatter": Kind.COMPUTE}
+_COLLECTIVES = {"tp_allreduce": "all_reduce", "tp_all_gather": "all_gather", "tp_gather": "all_gather",
+                "tp_reduce_scatter": "reduce_scatter", "tp_scatter": "chunk"}
+_SUFFIX = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs"}
 
 
-def _lower_marker(dag: TrainingDAG, n: Node, groups: tuple[tuple[int, ...], ...], stream: str,
+def _lower_marker(dag: TrainingDAG, n: Node, boundary: str, groups: tuple[tuple[int, ...], ...], stream: str,
                   ctx: PassContext) -> None:
     """Replace marker step ``n`` by its collective (or, for ``tp_scatter``, a local chunk step)."""
-    seg = ctx.segments[n.attr("segment")]
-    op = next(x for x in seg.gm.graph.nodes if boundary_kind(x))
-    attrs: dict[str, object] = {"subgroups": groups}
-    if len(op.args) > 1:  # sequence-parallel markers: (x, dim, size)
-        attrs.update(dim=op.args[1], size=op.args[2])
-    kind = _COLLECTIVES[n.attr("boundary")]
-    if kind is Kind.COMPUTE:
-        dag.replace(n.with_attrs(tp_role="scatter", **attrs))
+    op: SegmentOp = n.op  # type: ignore[assignment]
+    seg = ctx.segments[op.segment]
+    marker = next(x for x in seg.gm.graph.nodes if boundary_kind(x))
+    dim, size = (marker.args[1], marker.args[2]) if len(marker.args) > 1 else (0, 1)  # sequence parallel: (x, dim, size)
+    collective = _COLLECTIVES[boundary]
+    if collective == "chunk":
+        dag.replace(n.with_(op=SequenceChunk(op.segment, dim, size, groups, op.label)))
         return
     shape, dtype = seg.out_meta[n.outputs[0].rsplit("@mb", 1)[0]]
-    attrs.update(purpose="tp", mb=n.attr("mb", 0), shape=shape, dtype=dtype)
-    name = n.name + "." + {Kind.ALL_REDUCE: "ar", Kind.ALL_GATHER: "ag", Kind.REDUCE_SCATTER: "rs"}[kind]
-    dag.add(Node(name, kind, n.tags, n.devices, stream, n.inputs[:1], n.outputs[:1], tuple(sorted(attrs.items()))))
+    tp = TpCollective(collective, groups, tuple(shape), dtype, dim, size, n.attr("mb", 0))
+    name = f"{n.name}.{_SUFFIX[collective]}"
+    dag.add(Node(name, tp, n.tags, n.devices, stream, n.inputs[:1], n.outputs[:1], (("mb", n.attr("mb", 0)),)))
     dag.substitute(n.name, name)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import PARAM_PREFIX as PARAM, Kind, Node, TrainingDAG, param_fqn
+from piper_compile.ir.ops import ParamGather
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.tensor_parallel import dp_subgroups
 
@@ -88,7 +89,7 @@ def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGro
     by_region: dict[object, Node] = {}
     for n in dag.of_kind(Kind.COMPUTE):
         if n.attr("zero", 0) and _sharding_ranks(n) > 1:
-            by_region.setdefault(ctx.segments[n.attr("segment")].region, n)
+            by_region.setdefault(ctx.segments[n.op.segment].region, n)  # type: ignore[attr-defined]
     if not by_region:
         return {}
     held = holders(dag)
@@ -153,15 +154,14 @@ def _gather_for_group(dag: TrainingDAG, steps: list[Node], z: ZeroGroup) -> None
             prev = last.get(b)
             if prev is not None and prev[0] == i - 1:  # share the previous step's gather
                 ag = dag.nodes[prev[1]]
-                tag = ag.attr("for")
+                tag = ag.op.for_step  # type: ignore[attr-defined]
                 outs = tuple(f"{PARAM}{f}#{tag}" for f in needed[b])
                 dag.replace(ag.with_(outputs=tuple(dict.fromkeys(ag.outputs + outs))))
             else:
                 tag = n.name
                 outs = tuple(f"{PARAM}{f}#{tag}" for f in needed[b])
-                ag = dag.add(Node(f"AG.{b}@{tag}", Kind.ALL_GATHER, n.tags, z.devices, z.gather_stream, (), outs,
-                                  tuple(sorted({"bucket": b, "params": fqns_of[b], "zero": z.level,
-                                                "purpose": "param", "for": tag}.items()))))
+                ag = dag.add(Node(f"AG.{b}@{tag}", ParamGather(b, tuple(fqns_of[b]), z.level, tag), n.tags, z.devices,
+                                  z.gather_stream, (), outs))
                 at = i - 1 - z.prefetch
                 if at >= 0:
                     dag.add_order(steps[at].name, ag.name)

@@ -6,12 +6,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.ir.ops import ExpertStep, QueueKey, p2p_channel
 
 _PASS_RANK = {"F": 0, "BI": 1, "B": 1, "BW": 2}
-
-
-def p2p_channel(stream: str, src: int, dst: int) -> str:
-    return f"{stream}:{'up' if src < dst else 'down'}"
+__all__ = ["Instr", "Program", "build_program", "build_programs", "p2p_channel", "schedule_order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,25 +33,18 @@ class Instr:
         behind each other (NCCL would otherwise run both on one communicator stream)."""
         if self.peer is None:
             return self.node.stream
-        src, dst = (rank, self.peer) if self.node.kind is Kind.SEND else (self.peer, rank)
-        return p2p_channel(self.node.stream, src, dst)
+        return self.node.op.channel(self.node, rank, self.peer)  # type: ignore[attr-defined]
+
+    def queue(self, rank: int) -> QueueKey:
+        """The FIFO of the execution model this (asynchronous) instruction of ``rank`` joins."""
+        return self.node.op.queue(self.node, rank, self.peer)
+
+    def members(self, rank: int) -> tuple[int, ...]:
+        """The ranks ``rank`` runs this collective with (its subgroup under tensor parallelism)."""
+        return self.node.op.members(self.node, rank)
 
     def short(self) -> str:
-        n = self.node
-        if n.kind is Kind.SEND:
-            return f"SEND.{n.attr('msg').split('>')[0]}->r{self.peer}"
-        if n.kind is Kind.RECV:
-            return f"RECV.{n.attr('msg').split('>')[0]}<-r{self.peer}"
-        if n.kind is Kind.ALL_REDUCE:
-            return f"AR.{n.name.split('.')[-1]}@{n.stream}"
-        if n.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER):
-            abbr = "RS" if n.kind is Kind.REDUCE_SCATTER else "AG"
-            b = n.attr("bucket", n.name).rsplit(".", 1)[-1]
-            where = f">{n.attr('for')}" if n.attr("for") else ""
-            return f"{abbr}.{b}{where}@{n.stream}"
-        if n.kind is Kind.UPDATE:
-            return "UPD"
-        return n.short()
+        return self.node.short(self.peer)
 
 
 @dataclass
@@ -80,11 +71,8 @@ class Program:
 
 
 def _peer(node: Node, rank: int) -> int | None:
-    if node.kind is Kind.SEND:
-        return node.attr("dst")[node.devices.index(rank)]
-    if node.kind is Kind.RECV:
-        return node.attr("src")[node.devices.index(rank)]
-    return None
+    peer = getattr(node.op, "peer", None)
+    return peer(node, rank) if peer is not None else None
 
 
 def _priority(node: Node) -> tuple:
@@ -96,7 +84,7 @@ def _priority(node: Node) -> tuple:
     if node.kind is Kind.COMPUTE:
         # Expert steps wait for an all-to-all: any other ready compute goes first (e.g. DualPipeV's B of
         # one micro-batch while the F of another is being dispatched), so the exchange hides behind it.
-        waits = 1 if node.attr("ep_role") in ("experts", "unpermute") else 0
+        waits = 1 if isinstance(node.op, ExpertStep) else 0
         return (1, waits, _PASS_RANK.get(node.tag("PASS"), 0), node.attr("mb", 0))
     return (2, 0, 0, 0)
 
@@ -128,7 +116,7 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
         for a in ps:
             succs[a].append(b)
     pos = {n.name: i for i, n in enumerate(order)}
-    send_of = {n.attr("msg"): n.name for n in dag.of_kind(Kind.SEND)}
+    send_of = {n.op.msg: n.name for n in dag.of_kind(Kind.SEND)}  # type: ignore[attr-defined]
     channels: dict[tuple[str, int], list[tuple[int, int, Node]]] = defaultdict(list)
     for n in dag.of_kind(Kind.RECV):
         if rank not in n.devices:
@@ -139,7 +127,7 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
             if order[j].kind is Kind.COMPUTE:
                 at = j
                 break
-        channels[(n.stream, _peer(n, rank))].append((gpos[send_of[n.attr("msg")]], at, n))
+        channels[(n.stream, _peer(n, rank))].append((gpos[send_of[n.op.msg]], at, n))  # type: ignore[attr-defined]
     inserts: list[tuple[int, int, Node]] = []
     for chan in channels.values():
         chan.sort(key=lambda t: t[0])  # the peer's send order

@@ -31,9 +31,9 @@ def _check_matching(programs: list[Program]) -> None:
     for p in programs:
         for i in p.instrs:
             if i.node.kind is Kind.SEND:
-                sends[(p.rank, i.peer, i.node.attr("msg"))] += 1
+                sends[(p.rank, i.peer, i.node.op.msg)] += 1  # type: ignore[attr-defined]
             elif i.node.kind is Kind.RECV:
-                recvs[(i.peer, p.rank, i.node.attr("msg"))] += 1
+                recvs[(i.peer, p.rank, i.node.op.msg)] += 1  # type: ignore[attr-defined]
     for (src, dst, msg), c in (sends - recvs).items():
         raise PiperPlanError(f"piper: unmatched send: rank {src} sends {msg} to rank {dst} ({c}x) but rank {dst} "
                              "never receives it; every SEND needs a RECV on its peer (check place/order directives)")
@@ -81,7 +81,7 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
                 if not all(w in done[k] for w in ins.waits):
                     break
                 if ins.is_async:
-                    queues.setdefault(_queue_key(p.rank, ins), deque()).append(ins)
+                    queues.setdefault(ins.queue(p.rank), deque()).append(ins)
                 else:
                     done[k].add(ins.name)
                 pcs[k] += 1
@@ -91,12 +91,6 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
             return VerifyResult(rounds)
         if not moved:
             _deadlock(programs, pcs, queues, done)
-
-
-def _queue_key(rank: int, ins: Instr) -> tuple[int, str, int]:
-    if ins.peer is None:  # a collective: one process group per (stream, members)
-        return (rank, f"{ins.node.stream}@{','.join(map(str, sorted(ins.node.devices)))}", -1)
-    return (rank, ins.group_name(rank), ins.peer)
 
 
 def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tuple[int, str, int], deque[Instr]],
@@ -111,14 +105,14 @@ def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tupl
         if kind in (Kind.SEND, Kind.RECV):
             pq = queues.get((head.peer, group, rank))
             want = Kind.RECV if kind is Kind.SEND else Kind.SEND
-            if pq and pq[0].node.kind is want and pq[0].node.attr("msg") == head.node.attr("msg"):
+            if pq and pq[0].node.kind is want and pq[0].node.op.msg == head.node.op.msg:  # type: ignore[attr-defined]
                 q.popleft()
                 other = pq.popleft()
                 done[idx[rank]].add(head.name)
                 done[idx[head.peer]].add(other.name)
                 moved = True
         else:
-            members = head.node.devices
+            members = head.members(rank)  # its own subgroup under tensor parallelism
             heads = [queues.get((m, group, -1)) for m in members]  # same stream and members: same group
             if all(h and h[0].name == head.name for h in heads):
                 for m, h in zip(members, heads):

@@ -296,7 +296,7 @@ def call_layout(dag: Any, world: int) -> CallLayout:
 
     pairs: list[tuple[int, int]] = []
     for n in dag.of_kind(Kind.SEND):
-        pairs += list(zip(n.devices, n.attr("dst")))
+        pairs += list(zip(n.devices, n.op.dst))
     for n in dag.of_kind(Kind.COMPUTE):
         for g in n.attr("tp_groups") or ():
             pairs += [(g[0], r) for r in g[1:]]

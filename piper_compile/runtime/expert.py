@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from piper_compile.ir.dag import Node
 from piper_compile.nn.experts import grouped_swiglu, grouped_swiglu_backward, route as sort_slots
 
 
@@ -76,15 +75,16 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, index)
 
 
-def all_to_all(node: Node, inputs: list[Any], group: Any, size: int) -> tuple[Any, list[Any], torch.Tensor]:
-    """Issue the all-to-all of a counts, dispatch or combine step: (work, outputs, the tensor the work sends)."""
-    role = node.attr("ep_role")
+def all_to_all(op: Any, inputs: list[Any], group: Any, size: int) -> tuple[Any, list[Any], torch.Tensor]:
+    """Issue the all-to-all of a counts, dispatch or combine step (``ir/ops/expert``'s ``ExpertCounts`` or
+    ``ExpertA2A``): (work, outputs, the tensor the work sends)."""
+    role = getattr(op, "role", "counts")
     if role == "counts":
-        work, c = exchange_counts(inputs[0], node.attr("experts"), group)
+        work, c = exchange_counts(inputs[0], op.experts, group)
         return work, [c], c.counts
-    if role == "dispatch" and node.tag("PASS") == "F":
+    if role == "dispatch" and op.forward:
         x, idx, c = inputs
-        route, send = dispatch_route(x, idx, c, node.attr("experts"), size)
+        route, send = dispatch_route(x, idx, c, op.experts, size)
         recv = send.new_empty(sum(route.recv_splits), send.shape[-1])
         return _a2a(recv, send, route.recv_splits, route.send_splits, group), [recv, route], send
     t, route = inputs
@@ -97,12 +97,11 @@ def all_to_all(node: Node, inputs: list[Any], group: Any, size: int) -> tuple[An
     return _a2a(out, t, route.send_splits, route.recv_splits, group), [out], t
 
 
-def compute(node: Node, inputs: list[Any], accumulate: tuple[torch.Tensor, ...] | None = None,
+def compute(role: str, forward: bool, inputs: list[Any], accumulate: tuple[torch.Tensor, ...] | None = None,
             overwrite: bool = False) -> list[Any]:
     """The local steps of a chain: the experts (forward or backward) and the final unpermute. Backward
     with ``accumulate`` (the weight-gradient buffers): the weight gradients are added into them in
     place (``overwrite``: written over their old contents) and returned as ``None``."""
-    role, forward = node.attr("ep_role"), node.tag("PASS") == "F"
     if role == "experts" and forward:
         recv, route, wg, wu, wd = inputs
         ys = grouped_swiglu(_rows(recv, route.local_perm), route.local_counts, wg, wu, wd)

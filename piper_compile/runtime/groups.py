@@ -28,15 +28,8 @@ def world_info() -> tuple[int, int]:
 
 
 def group_keys(dag: TrainingDAG, world_size: int) -> list[tuple[str, tuple[int, ...]]]:
-    keys: set[tuple[str, tuple[int, ...]]] = set()
-    for n in dag:
-        if n.kind.is_collective:
-            for g in n.attr("subgroups") or (n.devices,):  # tensor parallel: each rank's own subgroup
-                keys.add((n.stream, tuple(sorted(g))))
-        elif n.kind.is_comm:  # point-to-point: one group per direction (see Instr.group_name)
-            keys.add((f"{n.stream}:up", tuple(range(world_size))))
-            keys.add((f"{n.stream}:down", tuple(range(world_size))))
-    return sorted(keys)
+    """Every process group the DAG's ops need (``Op.process_groups``), sorted: the creation order."""
+    return sorted({k for n in dag for k in n.op.process_groups(n, world_size)})
 
 
 _GROUPS: dict[tuple[str, tuple[int, ...], str], Any] = {}

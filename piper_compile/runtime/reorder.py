@@ -18,18 +18,14 @@ from __future__ import annotations
 from typing import Container, Iterator
 
 from piper_compile.ir.dag import Kind
+from piper_compile.ir.ops import LOSS
 from piper_compile.plan.program import Instr, Program
 
-LOSS = "<loss>"  # the accumulation into the step's loss, next to gradient names in ``accumulates``
 
 
 def accumulates(ins: Instr) -> frozenset[str]:
     """Gradients (by parameter name) and the loss this instruction adds into."""
-    n = ins.node
-    out = {fqn for _, fqn in n.attr("grads") or ()}
-    if n.attr("loss"):
-        out.add(LOSS)
-    return frozenset(out)
+    return ins.node.op.accumulates()
 
 
 def needs(program: Program) -> dict[int, tuple[str, ...]]:
@@ -62,7 +58,8 @@ def overlap_partners(program: Program, need: dict[int, tuple[str, ...]] | None =
         issued = {instrs[k].name for k in range(a)}
         if produced & set(j.inputs) or not set(need[b]) <= issued:
             continue
-        if (bool(i.attr("grads")) and bool(j.attr("grads"))) or (bool(i.attr("loss")) and bool(j.attr("loss"))):
+        ai, aj = i.op.accumulates(), j.op.accumulates()
+        if (ai - {LOSS} and aj - {LOSS}) or (LOSS in ai and LOSS in aj):
             continue
         if not instrs[a].waits:
             continue
@@ -74,12 +71,7 @@ def _jumpable(ins: Instr) -> bool:
     """Whether a filler may run before this (not yet issued) instruction: compute, activation sends and
     receives, expert all-to-alls and ZeRO-3 per-use gathers only. Gradient-state traffic, gradient
     reductions, tensor-parallel collectives and the update keep their place relative to every compute."""
-    n = ins.node
-    if n.kind in (Kind.COMPUTE, Kind.ALL_TO_ALL):
-        return True
-    if n.kind in (Kind.SEND, Kind.RECV):
-        return not n.attr("state")
-    return n.kind is Kind.ALL_GATHER and bool(n.attr("for")) and n.attr("purpose") != "tp"
+    return bool(ins.node.op.jumpable)  # the op's rule
 
 
 class Fillers:

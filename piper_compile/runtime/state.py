@@ -17,6 +17,7 @@ from torch import nn
 from piper_compile.capture.joint import JointGraph
 from piper_compile.errors import PiperError
 from piper_compile.ir.dag import Kind
+from piper_compile.ir.ops import GradReduce, Recv, Send, Update
 from piper_compile.ir.shard import ParamShard
 from piper_compile.plan.program import Program
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
@@ -167,20 +168,21 @@ class GradBuffers:
         others: list[str] = []
         for ins in program.instrs:
             n = ins.node
-            if n.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER) and n.attr("purpose") == "grad":
-                fqns = list(n.attr("params"))
+            op = n.op
+            if isinstance(op, GradReduce):
+                fqns = list(op.params)
                 total = sum(params[f].numel() for f in fqns)
                 # padded like the ZeRO shard bucket: to a multiple of the ranks sharding it (under tensor
                 # parallelism this rank's data-parallel subgroup)
-                size = len(next((g for g in n.attr("subgroups") or () if program.rank in g), n.devices))
-                padded = -(-total // size) * size if n.attr("zero", 0) else total
-                buckets[n.attr("bucket")] = (fqns, padded, n.kind is Kind.REDUCE_SCATTER)
+                size = len(op.members(n, program.rank))
+                padded = -(-total // size) * size if op.level else total
+                buckets[op.bucket] = (fqns, padded, op.scatter)
             elif n.kind is Kind.COMPUTE:
-                others += [fqn for _, fqn in n.attr("grads") or ()]
-            elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
-                others.append(n.attr("state"))
-            elif n.kind is Kind.UPDATE:
-                others += list(n.attr("params"))
+                others += [fqn for _, fqn in op.grad_outputs()]
+            elif isinstance(op, (Send, Recv)) and op.state:
+                others.append(op.state)
+            elif isinstance(op, Update):
+                others += list(op.params)
         return cls(params, buckets, others)
 
     def zero_(self) -> None:
@@ -430,18 +432,18 @@ class TrainState:
         self.broadcast_done = True
 
     # -- the update ------------------------------------------------------------------------------
-    def _shard_grads(self, node: Any, grads: GradBuffers) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(shard, its gradient) for every ZeRO bucket the UPDATE ``node`` steps."""
+    def _shard_grads(self, upd: Update, grads: GradBuffers) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(shard, its gradient) for every ZeRO bucket the update ``upd`` steps."""
         out = []
-        for b in node.attr("shards") or ():
+        for b in upd.shards:
             bk = self.zero.buckets[b]  # type: ignore[union-attr]
             full = grads.bucket(b) if bk.level == 1 else None  # ZeRO-1: a slice of the all-reduced bucket
             out.append((bk.shard, self.zero.shard_grad(b, full)))  # type: ignore[union-attr]
         return out
 
-    def _whole(self, node: Any, fqns: Iterable[str]) -> list[str]:
-        """Those of ``fqns`` that ``node`` updates whole (not through a ZeRO shard)."""
-        sharded = {f for b in node.attr("shards") or () for f in self.zero.buckets[b].fqns}  # type: ignore[union-attr]
+    def _whole(self, upd: Update, fqns: Iterable[str]) -> list[str]:
+        """Those of ``fqns`` that ``upd`` updates whole (not through a ZeRO shard)."""
+        sharded = {f for b in upd.shards for f in self.zero.buckets[b].fqns}  # type: ignore[union-attr]
         return [f for f in fqns if f not in sharded]
 
     def local_grad_sq(self, node: Any, grads: GradBuffers, rank: int) -> torch.Tensor:
@@ -453,14 +455,15 @@ class TrainState:
         of the group that wrote it (data-parallel replicas, parameters replicated inside a tensor-parallel
         group and sequence-parallel partial gradients all hold the same value once synchronised)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        experts = set(node.attr("ep_params") or ())
+        upd: Update = node.op
+        experts = set(upd.ep_params)
         first = node.devices[0]
-        for f in self._whole(node, sorted(node.attr("norm_params") or ())):
+        for f in self._whole(upd, sorted(upd.norm_params)):
             sh = self.shards.get(f)
             counts = first in sh.group if sh is not None and sh.kind == "tp" else rank == first
             if counts or f in experts:
                 total += grads.view(f).float().pow(2).sum()
-        for b in node.attr("shards") or ():
+        for b in upd.shards:
             total += self._shard_grad_sq(b, grads, first)
         return total
 
@@ -479,13 +482,14 @@ class TrainState:
                 total += g[start:start + n].float().pow(2).sum()
         return total
 
-    def apply_update(self, node: Any, grads: GradBuffers, joint: JointGraph,
+    def apply_update(self, upd: Update, grads: GradBuffers, params: dict[str, nn.Parameter],
                      grad_sq: torch.Tensor | None = None, max_norm: float = 0.0) -> None:
-        """The optimizer step for this rank's parameters (or shards), or the gradients into ``param.grad``.
-        ``grad_sq``: the global squared gradient norm when clipping to ``max_norm``."""
+        """The optimizer step ``upd`` for this rank's parameters (or shards) -- or the gradients into
+        ``param.grad`` without a piper optimizer. ``params``: the model's parameters by FQN; ``grad_sq``:
+        the global squared gradient norm when clipping to ``max_norm``."""
         opt = self.get_optimizer()
-        pairs = [(self.local_param(f, joint.params[f]), grads.view(f)) for f in self._whole(node, node.attr("params"))]
-        pairs += self._shard_grads(node, grads)
+        pairs = [(self.local_param(f, params[f]), grads.view(f)) for f in self._whole(upd, upd.params)]
+        pairs += self._shard_grads(upd, grads)
         if opt is None:
             for p, g in pairs:  # as torch would leave them: accumulate into .grad
                 if p.grad is None:

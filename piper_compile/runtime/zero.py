@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from piper_compile.errors import PiperError
-from piper_compile.ir.dag import Kind
+from piper_compile.ir.ops import ParamGather
 from piper_compile.plan.program import Program
 
 Layout = dict[str, tuple[tuple[str, ...], tuple[int, ...], int, str]]  # bucket -> (fqns, devices, level, stream)
@@ -38,8 +38,8 @@ def layout_of(program: Program) -> Layout:
     out: Layout = {}
     for ins in program.instrs:
         n = ins.node
-        if n.kind is Kind.ALL_GATHER and n.attr("zero", 0) > 0:
-            out[n.attr("bucket")] = (tuple(n.attr("params")), n.devices, n.attr("zero"), n.stream)
+        if isinstance(n.op, ParamGather) and n.op.level > 0:
+            out[n.op.bucket] = (tuple(n.op.params), n.devices, n.op.level, n.stream)
     return out
 
 

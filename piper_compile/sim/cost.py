@@ -28,13 +28,35 @@ from piper_compile.sim.trace import STEP_KIND, Span, read_spans
 
 
 class CostModel:
-    """Base cost model: subclasses give ``duration``; overheads default to 0."""
+    """Base cost model. Each op decides which primitive prices it and with what (``Op.duration``):
+    ``compute_time`` of a segment, ``p2p_time`` of a message, ``collective_time`` of ``nbytes`` over
+    ``members`` ranks, ``update_time`` of ``nbytes`` of parameters; subclasses implement those.
+    Overheads default to 0."""
 
     def bind(self, dag: TrainingDAG | None) -> None:
         """Called by the simulator with the plan's DAG before any query."""
 
     def duration(self, ins: Instr, rank: int) -> float:
+        return ins.node.op.duration(self, ins, rank)
+
+    def compute_time(self, ins: Instr, rank: int, segment: str) -> float:
         raise NotImplementedError
+
+    def p2p_time(self, ins: Instr, rank: int, msg: str) -> float:
+        raise NotImplementedError
+
+    def collective_time(self, ins: Instr, rank: int, algo: str, members: int, nbytes: int) -> float:
+        raise NotImplementedError
+
+    def update_time(self, ins: Instr, rank: int, nbytes: int) -> float:
+        raise NotImplementedError
+
+    def params_bytes(self, fqns: Iterable[str]) -> int:
+        """Bytes of these parameters on one rank (0 for models that do not count bytes)."""
+        return 0
+
+    def tensor_bytes(self, shape: Any, dtype: str) -> int:
+        return 0
 
     def issue(self, ins: Instr, rank: int) -> float:
         """Host time to issue an asynchronous instruction."""
@@ -65,15 +87,17 @@ class UniformCost(CostModel):
     update: float = 0.0
     collective: float | None = None  # default: ``comm``
 
-    def duration(self, ins: Instr, rank: int) -> float:
-        n = ins.node
-        if n.kind is Kind.COMPUTE:
-            return {"F": self.f, "B": self.b, "BI": self.bi, "BW": self.bw}.get(n.tag("PASS"), self.f)
-        if n.kind is Kind.UPDATE:
-            return self.update
-        if n.kind.is_collective and self.collective is not None:
-            return self.collective
-        return self.comm if n.kind.is_comm else 0.0
+    def compute_time(self, ins: Instr, rank: int, segment: str) -> float:
+        return {"F": self.f, "B": self.b, "BI": self.bi, "BW": self.bw}.get(ins.node.tag("PASS"), self.f)
+
+    def p2p_time(self, ins: Instr, rank: int, msg: str) -> float:
+        return self.comm
+
+    def collective_time(self, ins: Instr, rank: int, algo: str, members: int, nbytes: int) -> float:
+        return self.collective if self.collective is not None else self.comm
+
+    def update_time(self, ins: Instr, rank: int, nbytes: int) -> float:
+        return self.update
 
 
 _VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "alias", "detach", "split",
@@ -158,29 +182,29 @@ class FlopCost(CostModel):
             self.flops[name] = sum(node_flops(n, syms) for n in nodes)
             self.written[name] = sum(node_bytes(n, syms) for n in nodes)
 
-    def duration(self, ins: Instr, rank: int) -> float:
-        n = ins.node
-        if n.kind is Kind.COMPUTE:
-            seg = n.attr("segment")
-            t = self.flops.get(seg, 0) / self.flops_per_s + self.overhead_s
-            if self.mem_bytes_per_s:
-                t += self.written.get(seg, 0) / self.mem_bytes_per_s
-            return t
-        if n.kind is Kind.UPDATE:
-            nbytes = self.sizes.params_bytes(n.attr("params") or ())
-            return self.update_passes * nbytes / self.mem_bytes_per_s if self.mem_bytes_per_s else 0.0
-        if n.kind in (Kind.SEND, Kind.RECV):
-            return self.latency_s + self.sizes.messages.get(n.attr("msg"), 0) / self.bytes_per_s
-        if n.kind.is_collective:
-            sub = n.attr("subgroups")  # tensor parallel: each rank's collective runs within its own group
-            members = len(sub[0]) if sub else max(len(n.devices), 1)
-            nbytes = self.sizes.params_bytes(n.attr("params") or ()) if n.attr("params") else 4
-            if n.attr("shape"):  # activations: expert dispatch/combine rows, tensor-parallel partial sums
-                nbytes = self.sizes.tensor_bytes(n.attr("shape"), n.attr("dtype") or "float32")
-                nbytes *= members if n.kind is Kind.REDUCE_SCATTER else 1  # shape is the output's (a chunk)
-            factor = {Kind.ALL_REDUCE: 2.0, Kind.REDUCE_SCATTER: 1.0, Kind.ALL_GATHER: 1.0}.get(n.kind, 1.0)
-            return self.latency_s + factor * (members - 1) / members * nbytes / self.bytes_per_s
-        return 0.0
+    def compute_time(self, ins: Instr, rank: int, segment: str) -> float:
+        t = self.flops.get(segment, 0) / self.flops_per_s + self.overhead_s
+        if self.mem_bytes_per_s:
+            t += self.written.get(segment, 0) / self.mem_bytes_per_s
+        return t
+
+    def update_time(self, ins: Instr, rank: int, nbytes: int) -> float:
+        return self.update_passes * nbytes / self.mem_bytes_per_s if self.mem_bytes_per_s else 0.0
+
+    def p2p_time(self, ins: Instr, rank: int, msg: str) -> float:
+        return self.latency_s + self.sizes.messages.get(msg, 0) / self.bytes_per_s
+
+    def collective_time(self, ins: Instr, rank: int, algo: str, members: int, nbytes: int) -> float:
+        """Ring algorithms: an all-reduce moves 2(n-1)/n of the bytes, the others (n-1)/n."""
+        members = max(members, 1)
+        factor = 2.0 if algo == "all_reduce" else 1.0
+        return self.latency_s + factor * (members - 1) / members * nbytes / self.bytes_per_s
+
+    def params_bytes(self, fqns: Iterable[str]) -> int:
+        return self.sizes.params_bytes(fqns)
+
+    def tensor_bytes(self, shape: Any, dtype: str) -> int:
+        return self.sizes.tensor_bytes(shape, dtype)
 
 
 def _median(xs: list[float], default: float = 0.0) -> float:
@@ -252,21 +276,23 @@ class MeasuredCost(CostModel):
             self.fallback.bind(dag)
 
     def duration(self, ins: Instr, rank: int) -> float:
-        n = ins.node
-        if n.name in self.instrs:
-            return self.instrs[n.name]
-        if n.kind is Kind.COMPUTE:
-            seg = n.attr("segment")
-            return self.segments[seg] if seg in self.segments else self._missing(ins, rank, f"segment {seg}")
-        if n.kind is Kind.UPDATE:
-            if rank in self.updates:
-                return self.updates[rank]
-            return _median(list(self.updates.values())) if self.updates else self._missing(ins, rank, "UPDATE")
-        if n.kind in (Kind.SEND, Kind.RECV):
-            return self.p2p.get(ins.group_name(rank), 0.0)  # never blocked on: not on the critical path
-        if n.kind.is_collective:
-            return self._missing(ins, rank, n.name)
-        return 0.0
+        if ins.node.name in self.instrs:
+            return self.instrs[ins.node.name]
+        return ins.node.op.duration(self, ins, rank)
+
+    def compute_time(self, ins: Instr, rank: int, segment: str) -> float:
+        return self.segments[segment] if segment in self.segments else self._missing(ins, rank, f"segment {segment}")
+
+    def update_time(self, ins: Instr, rank: int, nbytes: int) -> float:
+        if rank in self.updates:
+            return self.updates[rank]
+        return _median(list(self.updates.values())) if self.updates else self._missing(ins, rank, "UPDATE")
+
+    def p2p_time(self, ins: Instr, rank: int, msg: str) -> float:
+        return self.p2p.get(ins.group_name(rank), 0.0)  # never blocked on: not on the critical path
+
+    def collective_time(self, ins: Instr, rank: int, algo: str, members: int, nbytes: int) -> float:
+        return self._missing(ins, rank, ins.node.name)
 
     def issue(self, ins: Instr, rank: int) -> float:
         return self.issues.get(ins.name, self.issues.get(ins.node.kind.value, 0.0))

@@ -116,10 +116,11 @@ class Sizes:
             out.params_numel[f] //= len(group)
             out.params[f] //= len(group)
         for n in dag.of_kind(Kind.RECV):
-            if n.attr("state"):
-                out.messages[n.attr("msg")] = out.params.get(n.attr("state"), 0)
+            op = n.op
+            if op.state:  # type: ignore[attr-defined]
+                out.messages[op.msg] = out.params.get(op.state, 0)  # type: ignore[attr-defined]
             else:
-                out.messages[n.attr("msg")] = out.tensor_bytes(n.attr("shape") or (), n.attr("dtype") or "")
+                out.messages[op.msg] = out.tensor_bytes(op.shape, op.dtype)  # type: ignore[attr-defined]
         return out
 
     def tensor_bytes(self, shape: Any, dtype: str) -> int:

@@ -21,13 +21,13 @@ from typing import Any
 
 from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
+from piper_compile.ir.ops import GradReduce, ParamGather, QueueKey
 from piper_compile.plan.program import Instr, Program
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.sim.cost import CostModel
 from piper_compile.sim.shapes import Sizes
 from piper_compile.sim.trace import STEP_KIND, STEP_STREAM, Span, span_of
 
-QueueKey = tuple[int, str, int]
 
 
 @dataclass
@@ -94,13 +94,6 @@ class _Issued:
     wait_s: float  # host time blocked on waits before issuing
 
 
-def _queue_key(rank: int, ins: Instr) -> QueueKey:
-    # The verifier's queues: a collective per (stream, members); P2P per (process group, peer).
-    if ins.peer is None:
-        return (rank, f"{ins.node.stream}@{','.join(map(str, sorted(ins.node.devices)))}", -1)
-    return (rank, ins.group_name(rank), ins.peer)
-
-
 class _Sim:
     def __init__(self, programs: list[Program], cost: CostModel) -> None:
         self.programs = programs
@@ -134,7 +127,7 @@ class _Sim:
                 t = max([free] + [self.done[r][w] for w in ins.waits])
                 if ins.is_async:
                     end = t + self.cost.issue(ins, r)
-                    key = _queue_key(r, ins)
+                    key = ins.queue(r)  # the verifier's queues (the op's rule)
                     self.queues[key].append(_Issued(ins, r, self.pcs[r], t, end, t - free))
                     self.dirty_queues.add(key)
                     self.queued += 1
@@ -173,13 +166,13 @@ class _Sim:
             if head.ins.peer is not None:
                 pkey = (head.ins.peer, group, rank)
                 pq = self.queues.get(pkey)
-                if not pq or pq[0].ins.node.attr("msg") != head.ins.node.attr("msg") or \
+                if not pq or pq[0].ins.node.op.msg != head.ins.node.op.msg or \
                         pq[0].ins.node.kind is head.ins.node.kind:
                     continue
                 d = max(self.cost.duration(head.ins, rank), self.cost.duration(pq[0].ins, head.ins.peer))
                 self._finish([(key, head), (pkey, pq[0])], d)
             else:
-                keys = [(m, group, -1) for m in head.ins.node.devices]
+                keys = [(m, group, -1) for m in head.ins.members(rank)]
                 heads = [self.queues.get(k) for k in keys]
                 if not all(h and h[0].ins.name == head.ins.name for h in heads):
                     continue
@@ -208,22 +201,13 @@ def _memory(program: Program, sizes: Sizes,
     total = peak = gathered = peak_gathered = 0
     series: list[tuple[float, int]] = []
     for pos, ins in enumerate(program.instrs):
-        n = ins.node
-        new: list[str] = []
-        if n.kind is Kind.COMPUTE:
-            new = list(n.outputs)
-        elif n.kind is Kind.RECV and not n.attr("state"):
-            new = list(n.outputs)
-        elif n.kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER) and n.attr("purpose") == "tp":  # activations
-            new = list(n.outputs)
-        elif n.kind is Kind.ALL_GATHER:
-            for v in n.outputs:
-                live[v] = sizes.params_bytes([param_fqn(v)])
-                gathered += live[v]
-        for v in new:
-            b = sizes.messages.get(n.attr("msg"), 0) if n.kind is Kind.RECV else sizes.value_bytes(v)
-            total += b - live.get(v, 0)
-            live[v] = b
+        for v, b, is_param in ins.node.op.allocates(ins.node, sizes):  # the op's memory rule
+            if is_param:
+                live[v] = b
+                gathered += b
+            else:
+                total += b - live.get(v, 0)
+                live[v] = b
         peak = max(peak, total)
         peak_gathered = max(peak_gathered, gathered)
         span = spans.get((program.rank, pos))
@@ -249,8 +233,8 @@ def _shard_bytes(nbytes: int, fqns: Any, sizes: Sizes, world: int) -> int:
 def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
     """Most gradient bytes held at once: the persistent buffers plus each reduce-scattered (ZeRO-2/3)
     bucket from its first gradient to its reduce-scatter, and its shard from then to the update."""
-    rs = {f: i.node.attr("bucket") for i in program.instrs if i.node.kind is Kind.REDUCE_SCATTER
-          for f in i.node.attr("params") or ()}
+    rs = {f: i.node.op.bucket for i in program.instrs if isinstance(i.node.op, GradReduce) and i.node.op.scatter
+          for f in i.node.op.params}
     zero = zero_buckets(program)
     live: set[str] = set()
     shards: set[str] = set()
@@ -258,30 +242,30 @@ def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
     for ins in program.instrs:
         n = ins.node
         if n.kind is Kind.COMPUTE:
-            for _, f in n.attr("grads") or ():
+            for _, f in n.op.grad_outputs():
                 b = rs.get(f)
                 if b is not None and b not in live:
                     live.add(b)
                     fqns, w, _ = zero[b]
                     total += _shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w) * w
-        elif n.kind is Kind.REDUCE_SCATTER and n.attr("bucket") in live:
-            fqns, w, _ = zero[n.attr("bucket")]
+        elif isinstance(n.op, GradReduce) and n.op.scatter and n.op.bucket in live:
+            fqns, w, _ = zero[n.op.bucket]
             shard = _shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w)
             total += shard  # the shard is written while the full bucket is still held
             peak = max(peak, total)
-            live.discard(n.attr("bucket"))
+            live.discard(n.op.bucket)
             total -= shard * w
-            if n.attr("bucket") in shards:  # per micro-batch: folded into the shard already held
+            if n.op.bucket in shards:  # per micro-batch: folded into the shard already held
                 total -= shard
-            shards.add(n.attr("bucket"))
+            shards.add(n.op.bucket)
         peak = max(peak, total)
     return peak
 
 
 def zero_buckets(program: Program) -> dict[str, tuple[tuple[str, ...], int, int]]:
     """bucket -> (fqns, group size, ZeRO level) of the shard buckets in ``program``."""
-    return {i.node.attr("bucket"): (tuple(i.node.attr("params")), len(i.node.devices), i.node.attr("zero"))
-            for i in program.instrs if i.node.kind is Kind.ALL_GATHER and i.node.attr("zero", 0)}
+    return {i.node.op.bucket: (tuple(i.node.op.params), len(i.node.devices), i.node.op.level)
+            for i in program.instrs if isinstance(i.node.op, ParamGather) and i.node.op.level}
 
 
 def trained_bytes(program: Program, sizes: Sizes) -> int:
@@ -291,7 +275,7 @@ def trained_bytes(program: Program, sizes: Sizes) -> int:
         return 0
     zero = zero_buckets(program)
     sharded = {f for fqns, _, _ in zero.values() for f in fqns}
-    out = sizes.params_bytes([f for f in upd.attr("params") if f not in sharded])
+    out = sizes.params_bytes([f for f in upd.op.params if f not in sharded])  # type: ignore[attr-defined]
     return out + sum(_shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w) for fqns, w, _ in zero.values())
 
 
@@ -303,9 +287,9 @@ def read_and_written(program: Program) -> tuple[set[str], set[str]]:
         n = ins.node
         if n.kind is Kind.COMPUTE:
             params.update(f for f in map(param_fqn, n.inputs) if f is not None)
-            grads.update(f for _, f in n.attr("grads") or ())
-        elif n.kind in (Kind.SEND, Kind.RECV) and n.attr("state"):
-            grads.add(n.attr("state"))
+            grads.update(f for _, f in n.op.grad_outputs())
+        elif n.kind in (Kind.SEND, Kind.RECV) and n.op.state:  # type: ignore[attr-defined]
+            grads.add(n.op.state)  # type: ignore[attr-defined]
     return params, grads
 
 
@@ -313,7 +297,7 @@ def state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
     """(parameter, gradient) bytes rank ``program.rank`` keeps, ZeRO shards counted as shards."""
     params, grads = read_and_written(program)
     upd = program.update_node()
-    grads.update(upd.attr("params") or () if upd is not None else ())
+    grads.update(upd.op.params if upd is not None else ())  # type: ignore[attr-defined]
     zero = zero_buckets(program)
     p_bytes = sizes.params_bytes(params)
     g_bytes = sizes.params_bytes(grads)

@@ -70,7 +70,7 @@ def span_of(ins: Instr, rank: int, pos: int, start: float, end: float, **extra: 
     return Span(rank=rank, stream=ins.group_name(rank) if ins.is_async else COMPUTE_STREAM, name=n.name,
                 label=ins.short(), kind=n.kind.value, start=start, end=end, pos=pos,
                 pass_=n.tag("PASS") if n.kind is Kind.COMPUTE else None, mb=mb if isinstance(mb, int) else None,
-                msg=n.attr("msg"), peer=ins.peer, segment=n.attr("segment"), **extra)
+                msg=getattr(n.op, "msg", None), peer=ins.peer, segment=getattr(n.op, "segment", None), **extra)
 
 
 def flow_id(msg: str) -> int:

@@ -20,6 +20,7 @@ from piper_compile import PiperDirectiveError, PiperError, PiperPlanError
 from piper_compile.backend import CompiledStep
 from piper_compile.directives.spec import Replicate, parse_directives
 from piper_compile.ir.dag import Kind, TrainingDAG, parse_dag
+from piper_compile.ir.ops import GradReduce
 from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.schedules.builders import stage_sequence as _stage_sequence
@@ -127,7 +128,7 @@ def check_pipeline_plan(model: str, stages: int, m: int, kind: str, dp: int, buc
         dag, programs = plan(stages, world, strategy(stages, m, kind, dp, bucket_mb), model=model)
         verify_programs(programs)
     assert [prog.rank for prog in programs] == list(range(world))
-    all_params = {f for n in dag if n.kind is Kind.COMPUTE for _, f in n.attr("grads", ()) or ()}
+    all_params = {f for n in dag if n.kind is Kind.COMPUTE for _, f in n.op.grad_outputs()}
     updated: Counter[str] = Counter()
     for prog in programs:
         s = _stage_of(prog.rank, stages)
@@ -137,8 +138,8 @@ def check_pipeline_plan(model: str, stages: int, m: int, kind: str, dp: int, buc
         upd = [i for i in prog.instrs if i.node.kind is Kind.UPDATE]
         assert len(upd) == 1, prog.to_text()
         if prog.rank < stages:  # one replica of each stage
-            updated.update(upd[0].node.attr("params"))
-            assert len(set(upd[0].node.attr("params"))) == len(upd[0].node.attr("params"))
+            updated.update(upd[0].node.op.params)
+            assert len(set(upd[0].node.op.params)) == len(upd[0].node.op.params)
         # every value a rank reads was produced on that rank or is external
         local_out = {v for i in prog.instrs for v in i.node.outputs}
         external = dag.external_values()
@@ -148,30 +149,30 @@ def check_pipeline_plan(model: str, stages: int, m: int, kind: str, dp: int, buc
     holders = {f: {n.tag("PP") for n in dag if n.kind is Kind.COMPUTE and f"param:{f}" in n.inputs}
                for f in all_params}
     assert updated == Counter({f: len(h) for f, h in holders.items()})
-    sends = [n for n in dag if n.kind is Kind.SEND and not n.attr("state")]
+    sends = [n for n in dag if n.kind is Kind.SEND and not n.op.state]
     if model == "mlp":  # per boundary and micro-batch: activation forward, gradient back
         assert len(sends) == 2 * m * (stages - 1)
     elif model == "skip" and stages > 2:  # the residual jumps from the first stage straight to the last one
         last = tuple(stages - 1 + r * stages for r in range(dp))
-        assert any(n.tag("PP") == 0 and n.tag("PASS") == "F" and n.attr("dst") == last for n in sends)
-    tied = [n for n in dag if n.kind is Kind.SEND and n.attr("state")]
+        assert any(n.tag("PP") == 0 and n.tag("PASS") == "F" and n.op.dst == last for n in sends)
+    tied = [n for n in dag if n.kind is Kind.SEND and n.op.state]
     assert bool(tied) == (model == "gpt" and stages > 1)  # tied embedding/head gradient travels once
-    grad_ars = [n for n in dag if n.kind is Kind.ALL_REDUCE and n.attr("purpose") == "grad"]
+    grad_ars = [n for n in dag if n.kind is Kind.ALL_REDUCE and isinstance(n.op, GradReduce)]
     assert (len(grad_ars) > 0) == (dp > 1)
     assert all(len(n.devices) == dp for n in grad_ars)
     if dp > 1:
         # gradients are reduced once per step: every parameter in exactly one bucket of its group ...
-        reduced = Counter(f for n in grad_ars for f in n.attr("params"))
+        reduced = Counter(f for n in grad_ars for f in n.op.params)
         assert set(reduced) == all_params and set(reduced.values()) == {1}
         if bucket_mb == TINY_BUCKET_MB and model == "mlp":
             assert len(grad_ars) > stages  # several buckets per stage: backward was cut into chunks
         # ... and only after the last micro-batch's backward that writes the bucket
         for prog in programs:
             for k, ins in enumerate(prog.instrs):
-                if ins.node.kind is Kind.ALL_REDUCE and ins.node.attr("purpose") == "grad":
-                    bucket = set(ins.node.attr("params"))
+                if ins.node.kind is Kind.ALL_REDUCE and isinstance(ins.node.op, GradReduce):
+                    bucket = set(ins.node.op.params)
                     later = [j.name for j in prog.instrs[k + 1:] if j.node.kind is Kind.COMPUTE
-                             and bucket & {f for _, f in j.node.attr("grads", ()) or ()}]
+                             and bucket & {f for _, f in j.node.op.grad_outputs()}]
                     assert not later, (prog.rank, ins.name, later)
 
 
@@ -284,8 +285,8 @@ def test_stages_may_run_microbatches_in_different_orders() -> None:
     s1 = piper.order(*[{"PP": 1, "MB": k, "PASS": p} for p, k in [("F", 0), ("B", 0), ("F", 1), ("B", 1)]])
     dag, programs = plan(2, 2, [*piper.pipeline(2), piper.split(2), s0, s1])
     verify_programs(programs)
-    sent = [i.node.attr("msg") for i in programs[0].instrs if i.node.kind is Kind.SEND]
-    received = [i.node.attr("msg") for i in programs[1].instrs if i.node.kind is Kind.RECV]
+    sent = [i.node.op.msg for i in programs[0].instrs if i.node.kind is Kind.SEND]
+    received = [i.node.op.msg for i in programs[1].instrs if i.node.kind is Kind.RECV]
     assert [m for m in sent if m in received] == received
     assert _compute_steps(programs[0]) == [("F", 1), ("F", 0), ("B", 0), ("B", 1)]
     assert _compute_steps(programs[1]) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import piper_compile as piper
 from piper_compile.backend import CompiledStep
 from piper_compile.ir.dag import Kind, TrainingDAG
+from piper_compile.ir.ops import GradReduce
 from piper_compile.plan.program import Program
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.testing.models import build_model
@@ -78,14 +79,14 @@ def check_zero_plan(model: str, stages: int, m: int, kind: str, zero: int, bucke
         assert z.level == zero and len(z.devices) == 2
     for prog in programs:
         instrs = prog.instrs
-        reductions = [i for i in instrs if i.node.attr("purpose") == "grad"]
-        kinds = {i.node.kind for i in reductions if i.node.attr("zero", 0)}
+        reductions = [i for i in instrs if isinstance(i.node.op, GradReduce)]
+        kinds = {i.node.kind for i in reductions if i.node.op.level}
         assert kinds == ({Kind.REDUCE_SCATTER} if zero >= 2 else {Kind.ALL_REDUCE})
         for k, ins in enumerate(instrs):  # a bucket is reduced after its last backward on this rank
             if ins in reductions:
-                bucket = set(ins.node.attr("params"))
+                bucket = set(ins.node.op.params)
                 later = [j.name for j in instrs[k + 1:] if j.node.kind is Kind.COMPUTE
-                         and bucket & {f for _, f in j.node.attr("grads", ()) or ()}]
+                         and bucket & {f for _, f in j.node.op.grad_outputs()}]
                 assert not later, (prog.rank, ins.name, later)
         gathers = [i for i in instrs if i.node.kind is Kind.ALL_GATHER]
         if zero < 3:  # one post-update all-gather per bucket of the rank's group
@@ -144,7 +145,7 @@ def test_prefetch_distance_orders_the_gather() -> None:
         computes = [i for i in instrs if i.node.kind is Kind.COMPUTE]
         for ins in instrs:
             if ins.node.kind is Kind.ALL_GATHER:
-                target = next(c for c in computes if c.name == ins.node.attr("for"))  # its first reader
+                target = next(c for c in computes if c.name == ins.node.op.for_step)  # its first reader
                 at = computes.index(target) - 1 - k
                 if at >= 0:
                     assert instrs.index(ins) > instrs.index(computes[at])

@@ -8,6 +8,7 @@ import torch
 import piper_compile as piper
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind
+from piper_compile.ir.ops import ExpertA2A, ExpertCounts, GradReduce, Segment
 from piper_compile.sim.simulate import simulate_plan
 from piper_compile.testing.models import build_model
 
@@ -23,19 +24,21 @@ def test_ep_chain_per_microbatch_and_no_reduction_of_expert_shards():
     a2a = p.dag.of_kind(Kind.ALL_TO_ALL)
     # 2 micro-batches x ((dispatch, combine) x (forward, backward) + the forward's counts exchange)
     assert len(a2a) == 2 * 5
-    assert {n.attr("ep_role") for n in a2a} == {"counts", "dispatch", "combine"}
+    assert {"counts" if isinstance(n.op, ExpertCounts) else n.op.role for n in a2a} == {"counts", "dispatch",
+                                                                                          "combine"}
+    assert all(isinstance(n.op, (ExpertCounts, ExpertA2A)) for n in a2a)
     # the counts have a group of their own (never queued behind rows in flight on the "ep" group)
-    assert all(n.devices == (0, 1) and n.stream == ("ep_counts" if n.attr("ep_role") == "counts" else "ep")
+    assert all(n.devices == (0, 1) and n.stream == ("ep_counts" if isinstance(n.op, ExpertCounts) else "ep")
                for n in a2a)
     for n in a2a:  # each forward dispatch reads its counts exchange's result
-        if n.attr("ep_role") == "dispatch" and n.tag("PASS") == "F":
-            counts = [c for c in a2a if c.attr("ep_role") == "counts" and c.outputs[0] in n.inputs]
-            assert len(counts) == 1 and counts[0].attr("mb") == n.attr("mb"), n.name
-    reduced = {f for n in p.dag.of_kind(Kind.ALL_REDUCE) for f in n.attr("params") or ()}
+        if isinstance(n.op, ExpertA2A) and n.op.role == "dispatch" and n.tag("PASS") == "F":
+            counts = [c for c in a2a if isinstance(c.op, ExpertCounts) and c.outputs[0] in n.inputs]
+            assert len(counts) == 1 and counts[0].op.mb == n.op.mb, n.name
+    reduced = {f for n in p.dag.of_kind(Kind.ALL_REDUCE) if isinstance(n.op, GradReduce) for f in n.op.params}
     assert not any(f.startswith("moe.w_") for f in reduced), reduced  # expert grads are local
     assert "moe.router.weight" in reduced and "inp.weight" in reduced
     upd = p.dag.of_kind(Kind.UPDATE)[0]
-    assert set(upd.attr("ep_params")) == {"moe.w_gate", "moe.w_up", "moe.w_down"}
+    assert set(upd.op.ep_params) == {"moe.w_gate", "moe.w_up", "moe.w_down"}
     assert p.dag.meta["ep_params"]["moe.w_gate"] == ((0, 1), 4, "ep")
     text = p.programs[0].to_text()
     assert "dispatch" in text and "combine" in text
@@ -53,17 +56,17 @@ def test_ep_plan_simulates_and_costs_the_routed_rows():
     a2a = [i for i in p.programs[0].instrs if i.node.kind is Kind.ALL_TO_ALL]
     rows_bytes = 2 * 8 * 2 * 16 * 4
     for ins in a2a:
-        if ins.node.attr("ep_role") == "counts":  # a few integers: latency only
+        if isinstance(ins.node.op, ExpertCounts):  # a few integers: latency only
             assert cost.duration(ins, 0) < 0.01 * 0.75 * rows_bytes / 1e9
         else:
             assert cost.duration(ins, 0) == pytest.approx(0.75 * rows_bytes / 1e9)
-    assert sum(ins.node.attr("ep_role") == "counts" for ins in a2a) == 2  # one per forward micro-batch
+    assert sum(isinstance(ins.node.op, ExpertCounts) for ins in a2a) == 2  # one per forward micro-batch
 
 
 def test_single_rank_shard_keeps_the_op():
     p = _plan([piper.shard({"EP": 0})], world=1)
     assert not p.dag.of_kind(Kind.ALL_TO_ALL)
-    assert any(n.attr("boundary") == "moe_fwd" for n in p.dag.of_kind(Kind.COMPUTE))
+    assert any(isinstance(n.op, Segment) and n.op.boundary == "moe_fwd" for n in p.dag.of_kind(Kind.COMPUTE))
 
 
 def test_shard_without_moe_op_is_rejected():

@@ -6,6 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, format_tags, make_tags, parse_dag, parse_node
+from piper_compile.ir.ops import (OPS, ExpertA2A, ExpertCounts, ExpertStep, GradReduce, LossReduce, NormReduce,
+                                  ParamGather, Recv, Segment, Send, SequenceChunk, TpCollective, Update)
+
+_SEG = Segment("seg")
+_OPS_SAMPLE = [_SEG, Segment("F.PP0", "0", loss="l"), Send("m", (1,)), Recv("m", (0,), ("s0", 2), "float32"),
+               GradReduce("b0", ("w",), level=2, scatter=True), Update(("w",)), TpCollective("all_reduce", ((0, 1),))]
 
 
 def _attrs(**kw: object) -> tuple:
@@ -13,36 +19,44 @@ def _attrs(**kw: object) -> tuple:
 
 
 def _all_kinds_dag() -> TrainingDAG:
-    """One node of every Kind, with int and str tags and attrs holding nested tuples."""
+    """One node of every op (so every Kind), with int and str tags and attrs holding nested tuples."""
     dag = TrainingDAG()
-    f0 = dag.add(Node("F.PP0.mb0", Kind.COMPUTE, make_tags({"PP": 0, "MB": 0, "PASS": "F"}), (0,), "compute",
+    f0 = dag.add(Node("F.PP0.mb0", Segment("F.PP0", "0", loss="loss@mb0",
+                                           grads=(("t_1@mb0", "layers.0.weight"), ("t_2@mb0", "layers.0.bias"))),
+                      make_tags({"PP": 0, "MB": 0, "PASS": "F"}), (0,), "compute",
                       ("input:x@mb0", "param:layers.0.weight", "symexpr:s77//2"), ("tanh@mb0", "loss@mb0"),
-                      _attrs(segment="F.PP0", region_label="0", mb=0, loss="loss@mb0",
-                             grads=(("t_1@mb0", "layers.0.weight"), ("t_2@mb0", "layers.0.bias")))))
-    send = dag.add(Node("SEND.tanh@mb0>r1", Kind.SEND, f0.tags, (0,), "pp_fwd", ("tanh@mb0",), (),
-                        _attrs(dst=(1,), msg="tanh@mb0>r1", mb=0)))
-    recv = dag.add(Node("RECV.tanh@mb0>r1", Kind.RECV, f0.tags, (1,), "pp_fwd", (), ("tanh@mb0>r1",),
-                        _attrs(src=(0,), msg="tanh@mb0>r1", shape=("s77", "32"), dtype="float32", mb=0)))
-    b1 = dag.add(Node("B.PP1.mb0", Kind.COMPUTE, make_tags({"PP": 1, "MB": 0, "PASS": "B"}), (1,), "compute",
-                      ("tanh@mb0>r1", "tangent"), ("g@mb0",), _attrs(segment="B.PP1", region_label="1", mb=0)))
-    ar = dag.add(Node("AR.r0_1.b0", Kind.ALL_REDUCE, make_tags({"BUCKET": 0}), (0, 1), "dp", (), (),
-                      _attrs(params=("a.weight", "a.bias"), purpose="grad", bucket_mb=25.0)))
-    rs = dag.add(Node("RS.b0", Kind.REDUCE_SCATTER, (("BUCKET", 0), ("ZERO", "z2")), (0, 1), "dp", ("g@mb0",),
-                      ("g_shard",), _attrs(nested=((1, (2, 3)), ("a", ("b", ("c",)))), empty=())))
-    ag = dag.add(Node("AG.b0", Kind.ALL_GATHER, (), (0, 1), "dp_gather", ("g_shard",), ("g_full",),
-                      _attrs(flag=True, none=None, neg=-3)))
-    a2a = dag.add(Node("A2A.ep", Kind.ALL_TO_ALL, make_tags({"EP": "experts"}), (0, 1), "ep", ("g_full",),
-                       ("routed",), _attrs(counts=((1, 2), (3, 4)))))
-    bc = dag.add(Node("BC.w", Kind.BROADCAST, (), (0, 1), "init", (), ("w0",), _attrs(src=0)))
-    upd = dag.add(Node("UPD.r0", Kind.UPDATE, (), (0,), "compute", ("routed", "w0"), (),
-                       _attrs(params=("layers.0.weight",))))
-    free = dag.add(Node("FREE.g", Kind.FREE, make_tags({"PP": -1}), (1,), "compute", ("g@mb0",), ()))
+                      _attrs(mb=0, replicate_index=1)))
+    send = dag.add(Node("SEND.tanh@mb0>r1", Send("tanh@mb0>r1", (1,), mb=0), f0.tags, (0,), "pp_fwd",
+                        ("tanh@mb0",), ()))
+    recv = dag.add(Node("RECV.tanh@mb0>r1", Recv("tanh@mb0>r1", (0,), ("s77", "32"), "float32", mb=0), f0.tags,
+                        (1,), "pp_fwd", (), ("tanh@mb0>r1",)))
+    b1 = dag.add(Node("B.PP1.mb0", Segment("B.PP1", "1"), make_tags({"PP": 1, "MB": 0, "PASS": "B"}), (1,),
+                      "compute", ("tanh@mb0>r1", "tangent"), ("g@mb0",), _attrs(mb=0)))
+    ar = dag.add(Node("AR.r0_1.b0", GradReduce("b0", ("a.weight", "a.bias")), make_tags({"BUCKET": 0}), (0, 1),
+                      "dp", (), (), _attrs(bucket_mb=25.0)))
+    rs = dag.add(Node("RS.b0", TpCollective("reduce_scatter", ((0, 1),), ("s0", 4), "float32", dim=1, size=2),
+                      (("BUCKET", 0), ("ZERO", "z2")), (0, 1), "dp", ("g@mb0",), ("g_shard",),
+                      _attrs(nested=((1, (2, 3)), ("a", ("b", ("c",)))), empty=())))
+    ag = dag.add(Node("AG.b0", ParamGather("b0", ("a.weight",), 3, for_step="F.PP0.mb0"), (), (0, 1), "dp_gather",
+                      ("g_shard",), ("g_full",), _attrs(flag=True, none=None, neg=-3)))
+    cnt = dag.add(Node("CNT.ep", ExpertCounts(4, mb=1), (), (0, 1), "ep_counts", ("g_full",), ("counts",)))
+    a2a = dag.add(Node("A2A.ep", ExpertA2A("dispatch", 4, ("n", 16), "float32"), make_tags({"EP": "experts"}),
+                       (0, 1), "ep", ("g_full", "counts"), ("routed",), _attrs(counts=((1, 2), (3, 4)))))
+    exp = dag.add(Node("E.ep", ExpertStep("experts", "E.ep", grads=(("gw", "moe.w_up"),), accumulate=True),
+                       (), (0,), "compute", ("routed",), ("expert_out",)))
+    chunk = dag.add(Node("CH.sp", SequenceChunk("CH.sp", 1, 2, ((0, 1),)), (), (0, 1), "compute", ("g_full",),
+                         ("chunk",)))
+    loss = dag.add(Node("AR.loss", LossReduce((0, 1)), (), (0, 1), "loss", (), ()))
+    norm = dag.add(Node("AR.gradnorm", NormReduce(1.0), (), (0, 1), "norm", (), ()))
+    upd = dag.add(Node("UPD.r0", Update(("layers.0.weight",), norm_params=("layers.0.weight",)),
+                       make_tags({"PP": -1}), (0,), "compute", ("routed",), ()))
     dag.add_order(f0.name, send.name)
     dag.add_order(recv.name, b1.name)
     dag.add_order(ar.name, rs.name)
     dag.add_order(ag.name, a2a.name)
-    dag.add_order(bc.name, upd.name)
-    dag.add_order(b1.name, free.name)
+    dag.add_order(cnt.name, exp.name)
+    dag.add_order(chunk.name, loss.name)
+    dag.add_order(norm.name, upd.name)
     return dag
 
 
@@ -53,8 +67,10 @@ def _assert_same(a: TrainingDAG, b: TrainingDAG) -> None:
     assert a.order_edges == b.order_edges
 
 
-def test_every_kind_is_covered_by_the_round_trip_dag() -> None:
-    assert {n.kind for n in _all_kinds_dag()} == set(Kind)
+def test_every_op_and_kind_is_covered_by_the_round_trip_dag() -> None:
+    dag = _all_kinds_dag()
+    assert {type(n.op) for n in dag} == set(OPS.values())
+    assert {n.kind for n in dag} == set(Kind)
 
 
 def test_dag_text_round_trip_every_kind() -> None:
@@ -70,20 +86,22 @@ def test_round_trip_keeps_tag_value_types_and_nested_tuple_attrs() -> None:
     f0 = back.nodes["F.PP0.mb0"]
     assert f0.tag("PP") == 0 and isinstance(f0.tag("PP"), int)
     assert f0.tag("PASS") == "F"
-    assert f0.attr("grads") == (("t_1@mb0", "layers.0.weight"), ("t_2@mb0", "layers.0.bias"))
+    assert f0.op.grads == (("t_1@mb0", "layers.0.weight"), ("t_2@mb0", "layers.0.bias"))
+    assert f0.attr("replicate_index") == 1
     rs = back.nodes["RS.b0"]
     assert rs.tag("ZERO") == "z2"
     assert rs.attr("nested") == ((1, (2, 3)), ("a", ("b", ("c",))))
     assert rs.attr("empty") == ()
-    assert back.nodes["FREE.g"].tag("PP") == -1
+    assert back.nodes["UPD.r0"].tag("PP") == -1
     assert back.nodes["AG.b0"].attr("none") is None and back.nodes["AG.b0"].attr("flag") is True
     assert back.nodes["AR.r0_1.b0"].attr("bucket_mb") == 25.0
-    assert back.nodes["RECV.tanh@mb0>r1"].attr("shape") == ("s77", "32")
+    assert back.nodes["RECV.tanh@mb0>r1"].op.shape == ("s77", "32")
+    assert back.nodes["CH.sp"].op.subgroups == ((0, 1),) and back.nodes["AG.b0"].op.for_step == "F.PP0.mb0"
     assert back.nodes["A2A.ep"].tag_dict == {"EP": "experts"}
 
 
 def test_node_text_round_trip_of_a_bare_node() -> None:
-    n = Node("x", Kind.COMPUTE)
+    n = Node("x", _SEG)
     line = n.to_text()
     assert line.startswith("COMPUTE x ") and "\n" not in line
     assert parse_node(line) == n
@@ -91,8 +109,8 @@ def test_node_text_round_trip_of_a_bare_node() -> None:
 
 def test_parse_dag_ignores_blank_lines_and_reads_order_lines() -> None:
     dag = TrainingDAG()
-    dag.add(Node("a", Kind.COMPUTE, devices=(0,)))
-    dag.add(Node("b", Kind.COMPUTE, devices=(0,)))
+    dag.add(Node("a", _SEG, devices=(0,)))
+    dag.add(Node("b", _SEG, devices=(0,)))
     dag.add_order("a", "b")
     text = "\n" + dag.to_text() + "\n\n"
     back = parse_dag(text)
@@ -111,7 +129,7 @@ def test_format_tags() -> None:
 @pytest.mark.parametrize("value", ["k:v", "-", "x-1", "3", "-1", "a b", "a,b", " attrs=", "{}", "é"])
 def test_round_trip_of_str_tags_that_look_like_ints_or_hold_separators(value: str) -> None:
     """Tag values come from user annotations (``piper.annotate(m, EP=...)``): any string must survive."""
-    n = Node("x", Kind.COMPUTE, make_tags({"EP": value, "PP": 1}))
+    n = Node("x", _SEG, make_tags({"EP": value, "PP": 1}))
     back = parse_node(n.to_text())
     assert back == n and back.tag("EP") == value and back.tag("PP") == 1
 
@@ -131,7 +149,7 @@ def _nodes(draw: st.DrawFn) -> list[Node]:
     for name in names:
         out.append(Node(
             name=name,
-            kind=draw(st.sampled_from(list(Kind))),
+            op=draw(st.sampled_from(_OPS_SAMPLE)),
             tags=make_tags(draw(st.dictionaries(_ident, _tag_value, max_size=3))),
             devices=tuple(draw(st.lists(st.integers(0, 7), max_size=3, unique=True))),
             stream=draw(_ident),
@@ -160,7 +178,7 @@ def _chain(*names: str) -> TrainingDAG:
     dag = TrainingDAG()
     prev: tuple[str, ...] = ()
     for n in names:
-        dag.add(Node(n, Kind.COMPUTE, inputs=prev, outputs=(f"v_{n}",)))
+        dag.add(Node(n, _SEG, inputs=prev, outputs=(f"v_{n}",)))
         prev = (f"v_{n}",)
     return dag
 
@@ -186,9 +204,9 @@ def test_find_cycle_through_order_edge() -> None:
 
 def test_find_cycle_through_data_edges_only() -> None:
     dag = TrainingDAG()
-    dag.add(Node("x", Kind.COMPUTE, inputs=("vy",), outputs=("vx",)))
-    dag.add(Node("y", Kind.COMPUTE, inputs=("vx",), outputs=("vy",)))
-    dag.add(Node("z", Kind.COMPUTE, inputs=("vx",)))
+    dag.add(Node("x", _SEG, inputs=("vy",), outputs=("vx",)))
+    dag.add(Node("y", _SEG, inputs=("vx",), outputs=("vy",)))
+    dag.add(Node("z", _SEG, inputs=("vx",)))
     cycle = dag.find_cycle()
     assert cycle is not None and _is_cycle(dag, cycle)
     assert set(cycle) == {"x", "y"}
@@ -196,7 +214,7 @@ def test_find_cycle_through_data_edges_only() -> None:
 
 def test_find_cycle_self_loop_by_data() -> None:
     dag = TrainingDAG()
-    dag.add(Node("s", Kind.COMPUTE, inputs=("v",), outputs=("v",)))
+    dag.add(Node("s", _SEG, inputs=("v",), outputs=("v",)))
     assert dag.find_cycle() == ["s", "s"]
 
 
@@ -210,7 +228,7 @@ def test_add_order_ignores_self_edges() -> None:
 def test_topo_order_default_is_insertion_order_among_ready() -> None:
     dag = TrainingDAG()
     for n in ("c", "a", "b"):
-        dag.add(Node(n, Kind.COMPUTE))
+        dag.add(Node(n, _SEG))
     assert dag.topo_order() == ["c", "a", "b"]
     dag.add_order("b", "c")
     assert dag.topo_order() == ["a", "b", "c"]
@@ -219,10 +237,10 @@ def test_topo_order_default_is_insertion_order_among_ready() -> None:
 def test_topo_order_with_key_respects_edges_and_key() -> None:
     dag = TrainingDAG()
     # two independent chains; key prefers the "B" chain whenever both are ready
-    dag.add(Node("F0", Kind.COMPUTE, make_tags({"PASS": "F"}), outputs=("f0",)))
-    dag.add(Node("F1", Kind.COMPUTE, make_tags({"PASS": "F"}), inputs=("f0",), outputs=("f1",)))
-    dag.add(Node("B0", Kind.COMPUTE, make_tags({"PASS": "B"}), outputs=("b0",)))
-    dag.add(Node("B1", Kind.COMPUTE, make_tags({"PASS": "B"}), inputs=("b0",)))
+    dag.add(Node("F0", _SEG, make_tags({"PASS": "F"}), outputs=("f0",)))
+    dag.add(Node("F1", _SEG, make_tags({"PASS": "F"}), inputs=("f0",), outputs=("f1",)))
+    dag.add(Node("B0", _SEG, make_tags({"PASS": "B"}), outputs=("b0",)))
+    dag.add(Node("B1", _SEG, make_tags({"PASS": "B"}), inputs=("b0",)))
     first_b = dag.topo_order(key=lambda n: 0 if n.tag("PASS") == "B" else 1)
     assert first_b == ["B0", "B1", "F0", "F1"]
     first_f = dag.topo_order(key=lambda n: 0 if n.tag("PASS") == "F" else 1)
@@ -245,13 +263,13 @@ def test_producers_and_consumers() -> None:
     assert dag.producers() == {"v_a": "a", "v_b": "b", "v_c": "c"}
     assert dict(dag.consumers()) == {"v_a": ["b"], "v_b": ["c"]}
     assert sorted(dag.data_edges()) == [("a", "b", "v_a"), ("b", "c", "v_b")]
-    dag.add(Node("d", Kind.COMPUTE, inputs=("param:w", "v_c")))
+    dag.add(Node("d", _SEG, inputs=("param:w", "v_c")))
     assert dag.external_values() == {"param:w"}
 
 
 def test_producers_raise_on_value_produced_twice() -> None:
     dag = _chain("a")
-    dag.add(Node("a2", Kind.COMPUTE, outputs=("v_a",)))
+    dag.add(Node("a2", _SEG, outputs=("v_a",)))
     with pytest.raises(ValueError, match="v_a") as ei:
         dag.producers()
     assert "a" in str(ei.value) and "a2" in str(ei.value)
@@ -260,7 +278,7 @@ def test_producers_raise_on_value_produced_twice() -> None:
 def test_add_duplicate_node_raises_and_remove_drops_order_edges() -> None:
     dag = _chain("a", "b", "c")
     with pytest.raises(ValueError, match="duplicate"):
-        dag.add(Node("a", Kind.COMPUTE))
+        dag.add(Node("a", _SEG))
     dag.add_order("a", "c")
     dag.remove("a")
     assert "a" not in dag.nodes and dag.order_edges == set()
@@ -269,7 +287,7 @@ def test_add_duplicate_node_raises_and_remove_drops_order_edges() -> None:
 def test_copy_is_independent() -> None:
     dag = _chain("a", "b")
     cp = dag.copy()
-    cp.add(Node("z", Kind.FREE))
+    cp.add(Node("z", _SEG))
     cp.add_order("a", "z")
     assert "z" not in dag.nodes and dag.order_edges == set()
 
@@ -277,17 +295,18 @@ def test_copy_is_independent() -> None:
 def test_kind_flags() -> None:
     assert Kind.SEND.is_comm and not Kind.SEND.is_collective
     assert Kind.ALL_REDUCE.is_comm and Kind.ALL_REDUCE.is_collective
-    assert not Kind.COMPUTE.is_comm and not Kind.UPDATE.is_comm and not Kind.FREE.is_comm
+    assert not Kind.COMPUTE.is_comm and not Kind.UPDATE.is_comm
     assert {k for k in Kind if k.is_collective} == {Kind.ALL_REDUCE, Kind.REDUCE_SCATTER, Kind.ALL_GATHER,
-                                                     Kind.ALL_TO_ALL, Kind.BROADCAST}
+                                                     Kind.ALL_TO_ALL}
 
 
 def test_node_helpers() -> None:
-    n = Node("F.PP1.mb3", Kind.COMPUTE, make_tags({"PP": 1, "MB": 3, "PASS": "F"}),
-             attrs=_attrs(region_label="1"))
+    n = Node("F.PP1.mb3", Segment("F.PP1", "1"), make_tags({"PP": 1, "MB": 3, "PASS": "F"}),
+             attrs=_attrs(region="PP1"))
     assert n.short() == "F1.mb3"
     assert n.tag("missing", 7) == 7 and n.attr("missing") is None
     m = n.with_attrs(z=1, a=2)
-    assert [k for k, _ in m.attrs] == ["a", "region_label", "z"]
+    assert [k for k, _ in m.attrs] == ["a", "region", "z"]
+    assert n.with_op(label="7").short() == "F7.mb3" and n.op.label == "1"
     assert n.with_(stream="x").stream == "x" and n.stream == "compute"
-    assert Node("SEND.v>r1", Kind.SEND).short() == "SEND.v>r1"
+    assert Node("SEND.v>r1", Send("v>r1", (1,)), devices=(0,)).short(peer=1) == "SEND.v->r1"

@@ -83,7 +83,7 @@ def test_auto_indexed_annotations_become_stages():
     regions = {i.node.tag("PP") for p in result.programs for i in p.instrs if i.node.kind is Kind.COMPUTE}
     assert regions == {0, 1}
     # the untagged head + loss join the latest tagged input's region: the last stage
-    owners = {i.node.attr("segment") for i in result.programs[1].instrs if i.node.kind is Kind.COMPUTE}
+    owners = {i.node.op.segment for i in result.programs[1].instrs if i.node.kind is Kind.COMPUTE}
     assert owners == {"F.PP1", "B.PP1"}
 
 

@@ -137,7 +137,7 @@ def test_overlap_partners_of_a_dualpipe_v_program() -> None:
         for a, b in partners.items():
             i, j = prog.instrs[a], prog.instrs[b]
             assert not (set(i.node.outputs) & set(j.node.inputs))
-            assert not (i.node.attr("grads") and j.node.attr("grads"))
+            assert not (i.node.op.grad_outputs() and j.node.op.grad_outputs())
 
 
 @pytest.mark.parametrize("kind", ["zbv", "zb_h1", "dualpipe_v"])

@@ -31,4 +31,4 @@ def test_symbolic_float_is_recomputed_on_the_consuming_stage():
     stage1 = [s for s in p.segments.values() if dict(s.region).get("PP") == 1]
     assert all(any(v.startswith("input:") and v.endswith("pi") for v in s.inputs) for s in stage1)
     recvs = list(p.dag.of_kind(Kind.RECV))
-    assert recvs and not any(r.attr("dtype") == "sym" for r in recvs)
+    assert recvs and not any(r.op.dtype == "sym" for r in recvs)

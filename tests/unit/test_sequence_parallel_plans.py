@@ -10,6 +10,7 @@ import piper_compile as piper
 from piper_compile.capture.sequence_parallel import split_sequence
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind
+from piper_compile.ir.ops import GradReduce, SequenceChunk, TpCollective
 from piper_compile.testing.models import build_model
 
 TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
@@ -22,7 +23,7 @@ def _plan(directives: list, world: int = 2, model: nn.Module | None = None, **op
 
 
 def _tp(p: piper.StaticPlan, kind: Kind) -> list:
-    return [n for n in p.dag.of_kind(kind) if n.attr("purpose") == "tp"]
+    return [n for n in p.dag.of_kind(kind) if isinstance(n.op, TpCollective)]
 
 
 def test_gpt_sequence_parallel_collectives():
@@ -34,23 +35,23 @@ def test_gpt_sequence_parallel_collectives():
     per_mb = {kind: len(_tp(p, kind)) / 2 for kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_REDUCE)}
     # forward: AG fc0, qkv1, fc1 + gather(ln_f); backward: AG of proj0/out0/proj1/out1 grads + gather of the cut x
     assert per_mb == {Kind.ALL_GATHER: 4 + 5, Kind.REDUCE_SCATTER: 4 + 3, Kind.ALL_REDUCE: 1}
-    assert all(n.attr("dim") == 1 and n.attr("size") == 2 for n in _tp(p, Kind.ALL_GATHER) + _tp(p, Kind.REDUCE_SCATTER))
-    cuts = [n for n in p.dag.of_kind(Kind.COMPUTE) if n.attr("tp_role") == "scatter"]
+    assert all(n.op.dim == 1 and n.op.size == 2 for n in _tp(p, Kind.ALL_GATHER) + _tp(p, Kind.REDUCE_SCATTER))
+    cuts = [n for n in p.dag.of_kind(Kind.COMPUTE) if isinstance(n.op, SequenceChunk)]
     assert len(cuts) == 2 * 2  # forward: the residual x; backward: ln_f's input gradient
-    partial = {f for n in p.dag.of_kind(Kind.ALL_REDUCE) if ".sp." in n.name for f in n.attr("params")}
+    partial = {f for n in p.dag.of_kind(Kind.ALL_REDUCE) if ".sp." in n.name for f in n.op.params}
     assert partial == {"blocks.0.ln2.weight", "blocks.0.ln2.bias", "blocks.0.proj.bias", "blocks.0.out.bias",
                        "blocks.1.ln1.weight", "blocks.1.ln1.bias", "blocks.1.ln2.weight", "blocks.1.ln2.bias",
                        "blocks.1.proj.bias", "blocks.1.out.bias", "ln_f.weight", "ln_f.bias"}
-    assert all(n.devices == (0, 1) and not n.attr("subgroups") for n in p.dag.of_kind(Kind.ALL_REDUCE)
+    assert all(n.devices == (0, 1) and not n.op.subgroups for n in p.dag.of_kind(Kind.ALL_REDUCE)
                if ".sp." in n.name)  # summed over the whole tensor-parallel group
 
 
 def test_sequence_parallel_under_dp_reduces_partial_grads_over_all_ranks():
     p = _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]], sequence_parallel=True)],
               world=4)
-    grads = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "grad"]
-    assert {n.attr("subgroups") for n in grads if ".sp." not in n.name} == {((0, 2), (1, 3))}
-    assert {n.attr("subgroups") for n in grads if ".sp." in n.name} == {None}
+    grads = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if isinstance(n.op, GradReduce)]
+    assert {n.op.subgroups for n in grads if ".sp." not in n.name} == {((0, 2), (1, 3))}
+    assert {n.op.subgroups for n in grads if ".sp." in n.name} == {None}
 
 
 def test_norm_shared_by_whole_and_split_activations_goes_through_tp_copy():
@@ -60,7 +61,7 @@ def test_norm_shared_by_whole_and_split_activations_goes_through_tp_copy():
     m = build_model("shared_norm", 0)
     p = _plan([piper.shard_tensor({"fc": "colwise", "out": "rowwise"}, sequence_parallel=True)], model=m)
     assert len(_tp(p, Kind.ALL_REDUCE)) == 1 + 2  # fc's input gradient; norm weight and bias
-    partial = {f for n in p.dag.of_kind(Kind.ALL_REDUCE) if ".sp." in n.name for f in n.attr("params")}
+    partial = {f for n in p.dag.of_kind(Kind.ALL_REDUCE) if ".sp." in n.name for f in n.op.params}
     assert partial == {"out.bias"}
 
 

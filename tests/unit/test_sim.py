@@ -13,6 +13,7 @@ import torch
 import piper_compile as piper
 from piper_compile import PiperPlanError
 from piper_compile.ir.dag import Kind, Node, make_tags
+from piper_compile.ir.ops import GradReduce, Recv, Segment, Send
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime.trace import NullRecorder, Recorder, flush_traces
 from piper_compile.sim import (FlopCost, MeasuredCost, UniformCost, draw_grid, merge_traces, read_spans, simulate,
@@ -62,12 +63,12 @@ def test_1f1b_holds_fewer_activations_than_gpipe_on_stage_0() -> None:
 
 # -- execution model on hand-made programs ---------------------------------------------------------
 def _compute(name: str, rank: int, pass_: str = "F", waits: tuple[str, ...] = ()) -> Instr:
-    return Instr(Node(name, Kind.COMPUTE, make_tags({"PASS": pass_, "MB": 0}), (rank,)), None, waits)
+    return Instr(Node(name, Segment(name), make_tags({"PASS": pass_, "MB": 0}), (rank,)), None, waits)
 
 
 def _p2p(kind: Kind, msg: str, rank: int, peer: int) -> Instr:
-    key = "dst" if kind is Kind.SEND else "src"
-    return Instr(Node(f"{kind.value}.{msg}", kind, (), (rank,), "pp", attrs=((key, (peer,)), ("msg", msg))), peer)
+    op = Send(msg, (peer,)) if kind is Kind.SEND else Recv(msg, (peer,))
+    return Instr(Node(f"{kind.value}.{msg}", op, (), (rank,), "pp"), peer)
 
 
 def test_p2p_rendezvous_and_fifo_queues() -> None:
@@ -86,7 +87,7 @@ def test_p2p_rendezvous_and_fifo_queues() -> None:
 
 
 def test_collective_starts_when_every_member_issued_it() -> None:
-    ar = Instr(Node("AR.g", Kind.ALL_REDUCE, (), (0, 1), "dp"))
+    ar = Instr(Node("AR.g", GradReduce("g", ()), (), (0, 1), "dp"))
     progs = [Program(0, [_compute("B0", 0, "B"), ar]), Program(1, [_compute("B1", 1, "F"), ar])]
     res = simulate(progs, UniformCost(f=1, b=3, comm=0.0, collective=0.25))
     assert res.step_time == 3.25 and res.rank_end == {0: 3.25, 1: 3.25}

@@ -10,6 +10,7 @@ import piper_compile as piper
 from piper_compile.ir.shard import ParamShard
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind
+from piper_compile.ir.ops import GradReduce, NormReduce, ParamGather, TpCollective
 from piper_compile.testing.models import build_model
 
 TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
@@ -23,10 +24,10 @@ def _plan(directives: list, world: int = 2, model: nn.Module | None = None, **op
 
 def test_tp_plan_all_reduces_and_local_shapes():
     p = _plan([piper.split(2), piper.shard_tensor(TP)])
-    ars = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "tp"]
+    ars = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if isinstance(n.op, TpCollective)]
     assert len(ars) == 2 * 2 * 2 * 2  # micro-batches x layers x (fwd proj, out; bwd qkv, fc)
-    assert all(n.attr("subgroups") == ((0, 1),) and n.stream == "tp" for n in ars)
-    assert not [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "grad"]  # one replica
+    assert all(n.op.subgroups == ((0, 1),) and n.stream == "tp" for n in ars)
+    assert not [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if isinstance(n.op, GradReduce)]  # one replica
 
 
 def test_tp_shard_take_and_assemble_round_trip():
@@ -78,7 +79,7 @@ class _FixedHeads(nn.Module):
 def test_fixed_head_count_is_rewritten_to_the_local_one():
     p = _plan([piper.shard_tensor({"qkv": "colwise:3", "proj": "rowwise"})], model=_FixedHeads())
     # the forward all-reduce after proj; x needs no gradient, so no backward one before qkv
-    assert len([n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "tp"]) == 1
+    assert len([n for n in p.dag.of_kind(Kind.ALL_REDUCE) if isinstance(n.op, TpCollective)]) == 1
 
 
 def test_head_count_that_does_not_split_gets_a_clear_error():
@@ -109,24 +110,24 @@ def test_tp_zero1_shards_within_each_data_parallel_subgroup():
     bucket's updated shards all-gathered within each of them (one node per subgroup)."""
     p = _plan([piper.replicate(zero=1, bucket_mb=0.01), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
               optimizer=torch.optim.AdamW)
-    ars = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "grad"]
-    assert ars and all(n.attr("zero") == 1 and n.attr("subgroups") == ((0, 2), (1, 3)) for n in ars)
-    ags = [n for n in p.dag.of_kind(Kind.ALL_GATHER) if n.attr("purpose") == "param"]
+    ars = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if isinstance(n.op, GradReduce)]
+    assert ars and all(n.op.level == 1 and n.op.subgroups == ((0, 2), (1, 3)) for n in ars)
+    ags = [n for n in p.dag.of_kind(Kind.ALL_GATHER) if isinstance(n.op, ParamGather)]
     assert sorted(n.devices for n in ags) == sorted([(0, 2), (1, 3)] * len(ars))
-    assert {n.attr("bucket") for n in ags} == {n.attr("bucket") for n in ars}
+    assert {n.op.bucket for n in ags} == {n.op.bucket for n in ars}
 
 
 def test_tp_zero1_without_data_parallel_replicas_shards_nothing():
     """TP2 alone: every data-parallel subgroup is one rank, so zero=1 has no one to shard with."""
     p = _plan([piper.replicate(zero=1), piper.shard_tensor(TP)], optimizer=torch.optim.AdamW)
     assert not p.dag.of_kind(Kind.ALL_GATHER) and not p.dag.meta["zero"]
-    assert not next(iter(p.dag.of_kind(Kind.UPDATE))).attr("shards")
+    assert not next(iter(p.dag.of_kind(Kind.UPDATE))).op.shards
 
 
 def test_tp_with_clipping_plans_one_world_norm_all_reduce():
     p = _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])], world=4,
               optimizer=torch.optim.AdamW, clip_grad_norm=1.0)
-    norm = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if n.attr("purpose") == "gradnorm"]
+    norm = [n for n in p.dag.of_kind(Kind.ALL_REDUCE) if isinstance(n.op, NormReduce)]
     assert len(norm) == 1 and norm[0].devices == (0, 1, 2, 3)
     upd = next(iter(p.dag.of_kind(Kind.UPDATE)))
     assert (norm[0].name, upd.name) in p.dag.order_edges  # every rank clips before its update

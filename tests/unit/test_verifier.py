@@ -6,7 +6,8 @@ import re
 import pytest
 
 from piper_compile import PiperPlanError
-from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
+from piper_compile.ir.dag import Node, TrainingDAG, make_tags
+from piper_compile.ir.ops import GradReduce, Recv, Segment, Send
 from piper_compile.plan.program import Instr, Program, build_programs
 from piper_compile.plan.verifier import VerifyResult, verify_programs
 
@@ -14,23 +15,22 @@ from piper_compile.plan.verifier import VerifyResult, verify_programs
 # -- helpers ---------------------------------------------------------------------------------------
 def compute(name: str, rank: int, pass_: str = "F", region: str = "0", mb: int = 0,
             waits: tuple[str, ...] = ()) -> Instr:
-    node = Node(name, Kind.COMPUTE, make_tags({"PASS": pass_, "MB": mb}), (rank,), "compute",
-                attrs=(("region_label", region),))
+    node = Node(name, Segment(name, region), make_tags({"PASS": pass_, "MB": mb}), (rank,), "compute")
     return Instr(node, None, waits)
 
 
 def send(msg: str, rank: int, peer: int, stream: str = "pp") -> Instr:
-    node = Node(f"SEND.{msg}", Kind.SEND, (), (rank,), stream, attrs=(("dst", (peer,)), ("msg", msg)))
+    node = Node(f"SEND.{msg}", Send(msg, (peer,)), (), (rank,), stream)
     return Instr(node, peer)
 
 
 def recv(msg: str, rank: int, peer: int, stream: str = "pp") -> Instr:
-    node = Node(f"RECV.{msg}", Kind.RECV, (), (rank,), stream, attrs=(("msg", msg), ("src", (peer,))))
+    node = Node(f"RECV.{msg}", Recv(msg, (peer,)), (), (rank,), stream)
     return Instr(node, peer)
 
 
-def coll(name: str, devices: tuple[int, ...], stream: str = "dp", kind: Kind = Kind.ALL_REDUCE) -> Instr:
-    return Instr(Node(name, kind, (), devices, stream))
+def coll(name: str, devices: tuple[int, ...], stream: str = "dp") -> Instr:
+    return Instr(Node(name, GradReduce(name, ()), (), devices, stream))
 
 
 def two_stage_programs(stream_fwd: str = "pp", stream_bwd: str = "pp") -> list[Program]:
@@ -80,16 +80,15 @@ def test_collectives_in_same_order_on_subgroups_verify() -> None:
 def test_build_programs_from_a_hand_made_dag_verify() -> None:
     """The per-rank program builder + verifier on a two-stage DAG with SEND/RECV pairs."""
     dag = TrainingDAG()
-    f0 = dag.add(Node("F.PP0", Kind.COMPUTE, make_tags({"PP": 0, "PASS": "F"}), (0,), inputs=("input:x",),
-                      outputs=("h",), attrs=(("region_label", "0"),)))
-    dag.add(Node("SEND.h>r1", Kind.SEND, f0.tags, (0,), "pp_fwd", ("h",), (), (("dst", (1,)), ("msg", "h>r1"))))
-    dag.add(Node("RECV.h>r1", Kind.RECV, f0.tags, (1,), "pp_fwd", (), ("h>r1",), (("msg", "h>r1"), ("src", (0,)))))
-    f1 = dag.add(Node("F.PP1", Kind.COMPUTE, make_tags({"PP": 1, "PASS": "F"}), (1,), inputs=("h>r1",),
-                      outputs=("loss", "dh"), attrs=(("region_label", "1"),)))
-    dag.add(Node("SEND.dh>r0", Kind.SEND, f1.tags, (1,), "pp_bwd", ("dh",), (), (("dst", (0,)), ("msg", "dh>r0"))))
-    dag.add(Node("RECV.dh>r0", Kind.RECV, f1.tags, (0,), "pp_bwd", (), ("dh>r0",), (("msg", "dh>r0"), ("src", (1,)))))
-    dag.add(Node("B.PP0", Kind.COMPUTE, make_tags({"PP": 0, "PASS": "B"}), (0,), inputs=("dh>r0", "h"),
-                 attrs=(("region_label", "0"),)))
+    f0 = dag.add(Node("F.PP0", Segment("F.PP0", "0"), make_tags({"PP": 0, "PASS": "F"}), (0,), inputs=("input:x",),
+                      outputs=("h",)))
+    dag.add(Node("SEND.h>r1", Send("h>r1", (1,)), f0.tags, (0,), "pp_fwd", ("h",), ()))
+    dag.add(Node("RECV.h>r1", Recv("h>r1", (0,)), f0.tags, (1,), "pp_fwd", (), ("h>r1",)))
+    f1 = dag.add(Node("F.PP1", Segment("F.PP1", "1"), make_tags({"PP": 1, "PASS": "F"}), (1,), inputs=("h>r1",),
+                      outputs=("loss", "dh")))
+    dag.add(Node("SEND.dh>r0", Send("dh>r0", (0,)), f1.tags, (1,), "pp_bwd", ("dh",), ()))
+    dag.add(Node("RECV.dh>r0", Recv("dh>r0", (1,)), f1.tags, (0,), "pp_bwd", (), ("dh>r0",)))
+    dag.add(Node("B.PP0", Segment("B.PP0", "0"), make_tags({"PP": 0, "PASS": "B"}), (0,), inputs=("dh>r0", "h")))
     programs = build_programs(dag, 2)
     assert [i.name for i in programs[1].instrs] == ["RECV.h>r1", "F.PP1", "SEND.dh>r0"]
     b0 = next(i for i in programs[0].instrs if i.name == "B.PP0")

@@ -1,0 +1,116 @@
+"""Point-to-point steps: an activation (or its gradient) crossing from one device group to another, or a
+tied parameter's finished gradient sent to the other groups that hold the parameter (``state``).
+
+A SEND/RECV pair is SPMD over two groups of equal size: the i-th rank of the sender's group sends to the
+i-th rank of the receiver's (``dst``/``src`` give the peers in device order). Each direction of a rank
+pair has a process group of its own per stream (``p2p_channel``), so the two directions never queue
+behind each other."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from piper_compile.ir.kind import Kind
+from piper_compile.ir.ops.base import GroupKey, Op, QueueKey
+
+if TYPE_CHECKING:
+    from piper_compile.ir.dag import Node
+    from piper_compile.plan.program import Instr
+    from piper_compile.sim.cost import CostModel
+    from piper_compile.sim.shapes import Sizes
+
+
+def p2p_channel(stream: str, src: int, dst: int) -> str:
+    """The process group of traffic from ``src`` to ``dst`` on ``stream``: one per direction."""
+    return f"{stream}:{'up' if src < dst else 'down'}"
+
+
+class PointToPoint(Op):
+    """Shared rules of SEND and RECV (subclasses have ``msg`` and ``state`` fields)."""
+
+    __slots__ = ()
+
+    @property
+    def jumpable(self) -> bool:  # type: ignore[override]
+        return not getattr(self, "state")  # gradient-state traffic keeps its place
+
+    def channel(self, node: "Node", rank: int, peer: int) -> str:
+        src, dst = (rank, peer) if self.kind is Kind.SEND else (peer, rank)
+        return p2p_channel(node.stream, src, dst)
+
+    def queue(self, node: "Node", rank: int, peer: int | None) -> QueueKey:
+        assert peer is not None
+        return (rank, self.channel(node, rank, peer), peer)
+
+    def process_groups(self, node: "Node", world: int) -> list[GroupKey]:
+        return [(f"{node.stream}:up", tuple(range(world))), (f"{node.stream}:down", tuple(range(world)))]
+
+    def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
+        return cost.p2p_time(ins, rank, getattr(self, "msg"))
+
+    def short(self, node: "Node", peer: int | None) -> str:
+        arrow = "->" if self.kind is Kind.SEND else "<-"
+        return f"{node.kind.value}.{getattr(self, 'msg').split('>')[0]}{arrow}r{peer}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send(PointToPoint):
+    """Send value ``node.inputs[0]`` (or, with ``state``, the rank's gradient buffer of that parameter)
+    to ``dst[i]`` for the i-th rank of the group; ``msg`` names the message its RECV matches."""
+
+    NAME = "send"
+    msg: str
+    dst: tuple[int, ...]
+    mb: int = 0
+    state: str | None = None
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.SEND
+
+    def peer(self, node: "Node", rank: int) -> int:
+        return self.dst[node.devices.index(rank)]
+
+    def start(self, rt: Any, ins: "Instr", pos: int) -> None:
+        import torch.distributed as dist
+
+        t = rt.grads.view(self.state) if self.state else rt.get(ins.node.inputs[0])
+        rt.issue(ins, pos, dist.isend(t.contiguous(), dst=ins.peer, group=rt.p2p_group(ins)))
+        rt.stats.p2p += 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recv(PointToPoint):
+    """Receive message ``msg`` from ``src[i]`` into a fresh buffer of ``shape``/``dtype`` (value
+    ``node.outputs[0]``), or with ``state`` into the rank's gradient buffer of that parameter."""
+
+    NAME = "recv"
+    msg: str
+    src: tuple[int, ...]
+    shape: tuple[Any, ...] = ()
+    dtype: str = ""
+    mb: int = 0
+    state: str | None = None
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.RECV
+
+    def peer(self, node: "Node", rank: int) -> int:
+        return self.src[node.devices.index(rank)]
+
+    def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
+        return [] if self.state else [(v, sizes.messages.get(self.msg, 0), False) for v in node.outputs]
+
+    def start(self, rt: Any, ins: "Instr", pos: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.state:
+            buf = rt.grads.view(self.state)
+        else:
+            shape = [rt.eval(d) for d in self.shape]
+            buf = torch.empty(shape, dtype=getattr(torch, self.dtype), device=rt.device)
+            rt.put(ins.node.outputs[0], buf)
+        rt.issue(ins, pos, dist.irecv(buf, src=ins.peer, group=rt.p2p_group(ins)))
+        rt.stats.p2p += 1

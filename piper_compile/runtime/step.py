@@ -1,0 +1,181 @@
+"""The state of one step being run on one rank, and the operations ops use to act on it.
+
+``Executor.run`` makes one ``Step`` per call; each instruction's op runs against it (``Op.start`` for
+communication and the update, ``Op.compute`` for compute steps, ``ir/ops``): reading and storing values
+(with the live-bytes accounting), issuing asynchronous work, the process groups, the gradient buffers,
+the training state and the loss. Nothing here knows what a particular op is.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT, eval_sym
+from piper_compile.errors import PiperRuntimeError
+from piper_compile.plan.program import Instr
+from piper_compile.runtime.consistency import CallCheck, Weights
+from piper_compile.runtime.zero import tensor_bytes
+
+Pending = dict[str, tuple[Any, Instr, int]]  # async instruction name -> (work, instruction, position)
+
+
+@dataclass
+class StepStats:
+    """Counters from the last step (read by tests and benchmarks)."""
+
+    collectives: dict[str, int] = field(default_factory=dict)
+    p2p: int = 0
+    compute: int = 0
+    peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
+    peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
+    peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
+    reordered: int = 0  # overlap partners run ahead of (or beside) a predecessor still waiting for its input
+    filled: int = 0  # later steps run while an earlier one waited for its input (the reorder window)
+    seconds: float = 0.0
+
+
+def _split_mb(name: str) -> tuple[str, int | None]:
+    if "@mb" in name:
+        base, mb = name.rsplit("@mb", 1)
+        return base, int(mb)
+    return name, None
+
+
+class Step:
+    """One step of one rank's program: values, in-flight work, accounting. ``ex`` is the Executor (the
+    program's static facts: joint graph, state, groups, compiled segments)."""
+
+    def __init__(self, ex: Any, args: list[Any], check: CallCheck) -> None:
+        self.ex, self.args, self.check = ex, args, check
+        self.rank, self.state, self.grads, self.segments = ex.rank, ex.state, ex.grads, ex.segments
+        self.device = ex.state.device
+        self.update, self.max_norm, self.stats = ex.update, ex.max_norm, ex.stats
+        self.params = ex.joint.params
+        self.mb_size = check.record.batch // ex.m
+        self.syms = self._symbols()
+        self.key = (self.mb_size, *sorted(self.syms.items()))  # every input shape follows from the symbols
+        self.loss_sum = torch.zeros((), dtype=ex.loss_dtype, device=self.device)
+        self.env: dict[str, Any] = {}
+        self.externals: dict[str, Any] = {}  # resolved once per step, not once per use
+        self.pending: Pending = {}
+        self.result: dict[str, torch.Tensor] = {}
+        self.released: dict[str, int] = {}  # values handed to a segment at their last use: bytes still counted
+        self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight reduce-scatters whose owner let go
+        self.finish: dict[str, Callable[[], None]] = {}  # what to do once a collective completes
+        self._sending: dict[str, torch.Tensor] = {}  # what in-flight all-to-alls and TP collectives send
+        self.live = self.gathered = 0
+        self.t0 = time.perf_counter()
+
+    # -- values ----------------------------------------------------------------------------------
+    def _symbols(self) -> dict[str, int]:
+        return {str(s.symbol): self.mb_size if s.batched else int(self.args[s.arg_index])
+                for s in self.ex.joint.inputs if s.kind == SYM and s.symbol is not None}
+
+    def eval(self, expr: Any) -> int:
+        """A SymInt expression (or int) at this step's symbol values."""
+        return self.ex.eval_sym(expr, self.syms)
+
+    def get(self, v: str) -> Any:
+        x = self.env.get(v)
+        if x is None:
+            x = self.externals.get(v)
+            if x is None:
+                x = self.externals[v] = self._external(v)
+        return x
+
+    def _external(self, name: str) -> Any:
+        base, mb = _split_mb(name)
+        if base.startswith("symexpr:"):
+            return self.eval(base[len("symexpr:"):])
+        spec = self.ex.specs.get(base)
+        if spec is None:
+            raise PiperRuntimeError(f"piper: internal: rank {self.rank} has no value {name}")
+        args = self.args
+        if spec.kind == PARAM:  # segments run under no_grad: no autograd graph is built
+            return self.state.local_param(spec.name, args[spec.arg_index])  # an expert shard under EP
+        if spec.kind == BUFFER:
+            return args[spec.arg_index]
+        if spec.kind == TANGENT:  # this rank's share of the global batch, per micro-batch loss
+            return torch.full((), self.weights().seed, dtype=self.loss_sum.dtype, device=self.device)
+        if spec.kind == SYM:
+            return self.mb_size if spec.batched else int(args[spec.arg_index])
+        assert spec.kind == INPUT
+        x = args[spec.arg_index]
+        return x.narrow(0, mb * self.mb_size, self.mb_size) if spec.batched and mb is not None else x
+
+    def put(self, v: str, t: Any, gathered: bool = False, count: bool = True) -> None:
+        """Store value ``v`` (counted as live activation bytes, or as gathered parameter bytes)."""
+        self.env[v] = t
+        if not count:
+            return
+        if gathered:
+            self.gathered += tensor_bytes(t)
+        else:
+            self.live += tensor_bytes(t)
+
+    def count_live(self, nbytes: int) -> None:
+        self.live += nbytes
+
+    def free(self, v: str) -> None:
+        b = self.released.pop(v) if v in self.released else tensor_bytes(self.env.pop(v, None))
+        if v.startswith("param:"):
+            self.gathered -= b
+        else:
+            self.live -= b
+
+    def weights(self) -> Weights:
+        """The call check's result (waited for here the first time): every rank makes this call, and how
+        this rank's losses weigh in the global mean (``runtime/consistency.py``)."""
+        return self.check.resolve()
+
+    # -- asynchronous work --------------------------------------------------------------------------
+    def issue(self, ins: Instr, pos: int, work: Any) -> None:
+        """Asynchronous ``work`` of instruction ``ins`` is in flight (None: nothing to wait for)."""
+        self.pending[ins.node.name] = (work, ins, pos)
+
+    def count(self, purpose: str) -> None:
+        self.stats.collectives[purpose] = self.stats.collectives.get(purpose, 0) + 1
+
+    def group(self, stream: str, ranks: tuple[int, ...]) -> Any:
+        return self.ex.groups.get(stream, ranks)
+
+    def p2p_group(self, ins: Instr) -> Any:
+        return self.ex.groups.get(ins.group_name(self.rank), tuple(range(dist.get_world_size())))
+
+    def all_reduce(self, t: torch.Tensor, stream: str, ranks: tuple[int, ...]) -> Any:
+        """Start a SUM all-reduce of ``t`` over ``ranks`` (None on a group of one)."""
+        if len(ranks) == 1:
+            return None
+        return dist.all_reduce(t, group=self.group(stream, ranks), async_op=True)
+
+    def keep(self, name: str, t: torch.Tensor) -> None:
+        """Keep ``t`` alive until collective ``name`` completes."""
+        self._keep[name] = t
+
+    def retire_kept(self) -> None:
+        """Wait for every in-flight collective holding a kept tensor (at most one full bucket in flight)."""
+        for name in list(self._keep):
+            self.ex.wait(self, name)
+
+    def send_buffer(self, name: str, t: torch.Tensor) -> None:
+        self._sending[name] = t  # alive until collective ``name`` completes
+
+    def on_finish(self, name: str, fn: Callable[[], None]) -> None:
+        self.finish[name] = fn
+
+    def done(self, name: str) -> None:
+        """Collective ``name`` completed: drop what it kept alive."""
+        self._keep.pop(name, None)
+        self._sending.pop(name, None)
+
+    def note_grad_bytes(self, extra: torch.Tensor | None = None) -> None:
+        if self.grads is None:
+            return
+        held = self.grads.nbytes() + tensor_bytes(extra)
+        if self.state.zero is not None:
+            held += self.state.zero.grad_shard_bytes()
+        self.stats.peak_grad_bytes = max(self.stats.peak_grad_bytes, held)
