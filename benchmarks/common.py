@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from piper_compile.knobs import knob
 from piper_compile.runtime.state import build_optimizer
 from piper_compile.testing.models import GPT, GPTConfig
 
@@ -104,7 +105,7 @@ def peer_adamw(params: Any, lr: float) -> torch.optim.Optimizer:
 def peer_fused_kwargs() -> dict[str, bool]:
     """``fused=True`` for an optimizer class the peer constructs itself (``ZeroRedundancyOptimizer``), as
     ``peer_adamw`` chooses."""
-    return {} if os.environ.get("PIPER_FUSED_OPTIMIZER", "1") == "0" else {"fused": True}
+    return {} if not knob("PIPER_FUSED_OPTIMIZER") else {"fused": True}
 
 
 def build_gpt(spec: Spec, untie: bool = False) -> GPT:

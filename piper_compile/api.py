@@ -8,7 +8,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from piper_compile.backend import CompiledStep, Options
+from piper_compile.backend import CompiledStep
+from piper_compile.options import Options
 from piper_compile.capture.joint import source_names
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG

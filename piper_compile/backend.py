@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -20,7 +19,7 @@ from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, captur
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import (
-    Directive, Place, Replicate, ShardTensor, filter_matches, parse_directives, split_backward_filters,
+    Place, Replicate, ShardTensor, filter_matches, split_backward_filters,
 )
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
@@ -40,77 +39,7 @@ from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
 from piper_compile.runtime.registry import check_shared_parameters, state_for
 from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.zero import layout_of
-
-_OPTION_KEYS = {"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat", "overlap_streams",
-                "reorder_window"}
-
-
-@dataclass
-class Options:
-    directives: list[Directive]
-    optimizer: Callable[..., torch.optim.Optimizer] | None
-    codegen: str
-    timeout_s: float
-    clip_grad_norm: float | None = None
-    remat: bool = True  # recompute cheap activations in the backward instead of keeping them (capture/remat.py)
-    overlap_streams: bool = True  # CUDA: an overlap slot's two compute steps on two streams (runtime/executor.py)
-    reorder_window: int = 8  # gloo: compute steps ahead a waiting step may let run first (runtime/reorder.py)
-
-    @classmethod
-    def parse(cls, options: dict[str, Any] | None) -> "Options":
-        options = dict(options or {})
-        unknown = set(options) - _OPTION_KEYS
-        if unknown:
-            raise PiperError(f"piper: unknown option(s) {sorted(unknown)}; the piper backend takes {sorted(_OPTION_KEYS)}")
-        codegen = options.get("codegen", os.environ.get("PIPER_CODEGEN", "inductor"))
-        if codegen not in ("inductor", "eager"):
-            raise PiperError(f"piper: options['codegen'] must be 'inductor' or 'eager', got {codegen!r}")
-        opt = options.get("optimizer")
-        if opt is not None and not callable(opt):
-            raise PiperError("piper: options['optimizer'] must be a callable params -> torch.optim.Optimizer, e.g. "
-                             f"functools.partial(torch.optim.AdamW, lr=3e-4); got {type(opt).__name__}")
-        raw_timeout = options.get("timeout", os.environ.get("PIPER_TIMEOUT", 300))
-        try:
-            timeout = float(raw_timeout)
-        except (TypeError, ValueError):
-            raise PiperError(f"piper: options['timeout'] must be a number of seconds, got {raw_timeout!r}") from None
-        if timeout <= 0:
-            raise PiperError(f"piper: options['timeout'] must be > 0 seconds, got {timeout}")
-        clip = options.get("clip_grad_norm")
-        if clip is not None:
-            if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0:
-                raise PiperError(f"piper: options['clip_grad_norm'] must be a positive number (the max global "
-                                 f"gradient norm), got {clip!r}")
-            if opt is None:
-                raise PiperError("piper: options['clip_grad_norm'] clips before piper's optimizer step, so it needs "
-                                 "options['optimizer']; without one, clip param.grad yourself after the call")
-        remat = _flag(options, "remat", "PIPER_REMAT", "recompute cheap activations such as GELU and layer-norm "
-                      "outputs in the backward instead of keeping them")
-        overlap = _flag(options, "overlap_streams", "PIPER_OVERLAP_STREAMS",
-                        "on CUDA, run the two compute steps of an overlap slot on two streams")
-        window = options.get("reorder_window", os.environ.get("PIPER_REORDER_WINDOW", "8"))
-        if isinstance(window, str) and window.isdigit():
-            window = int(window)
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            where = "options['reorder_window']" if "reorder_window" in options else "PIPER_REORDER_WINDOW"
-            raise PiperError(f"piper: {where} must be a whole number >= 0 (how many compute steps "
-                             "ahead the runtime may run while a step waits for its input; 0 keeps program order "
-                             f"except for overlap slots), got {window!r}")
-        directives = parse_directives(options.get("directives"))
-        for d in directives:
-            if isinstance(d, Replicate) and d.zero > 0 and opt is None:
-                raise d.error(f"zero={d.zero} shards optimizer state, so piper must run the optimizer",
-                              "pass options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
-        return cls(directives, opt, codegen, timeout, None if clip is None else float(clip), remat, overlap, window)
-
-
-def _flag(options: dict[str, Any], key: str, env: str, meaning: str) -> bool:
-    """A boolean option, on unless the option or its environment variable (``=0``) turns it off."""
-    value = options.get(key, os.environ.get(env, "1") != "0")
-    if not isinstance(value, bool):
-        raise PiperError(f"piper: options[{key!r}] must be True ({meaning}) or False, got {value!r}")
-    return value
-
+from piper_compile.options import Options
 
 @dataclass
 class Plan:

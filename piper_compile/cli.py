@@ -90,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_plan_args(e)
     s = sub.add_parser("simulate", help="plan, verify and report predicted step time, bubble and memory")
     _add_plan_args(s)
+    sub.add_parser("knobs", help="print the table of every PIPER_* environment variable (README's table)")
     args = p.parse_args(argv)
+    if args.cmd == "knobs":
+        from piper_compile.knobs import markdown_table
+
+        print(markdown_table())
+        return 0
     try:
         return explain(args)
     except PiperError as err:

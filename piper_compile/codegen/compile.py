@@ -6,12 +6,12 @@ the segment with ``make_fx`` (Inductor's decompositions, concrete shapes) and co
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any, Callable
 
 import torch
+from piper_compile.knobs import knob
 from torch import fx
 
 Signature = tuple[Any, ...]
@@ -59,7 +59,7 @@ class CompiledSegment:
 
         with torch.no_grad():
             static = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-            if os.environ.get("PIPER_INDUCTOR_CACHE") == "1":
+            if knob("PIPER_INDUCTOR_CACHE"):
                 # A tracing context with a shape env lets Inductor's FX graph cache key the (static)
                 # graph, so ranks and later runs compiling the same segment hit the on-disk cache: the
                 # first step gets ~2x faster, but the cache machinery costs ~150 MiB of RSS per process.

@@ -3,7 +3,6 @@ passes. Times every pass, checks what each returns, can dump the DAG after each 
 and skip a lowering pass by name (``PIPER_SKIP_PASSES=a,b``, for debugging only)."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Callable
@@ -17,6 +16,7 @@ from piper_compile.passes.expert import apply_shard
 from piper_compile.passes.tensor_parallel import apply_shard_tensor
 from piper_compile.passes.invariants import check_invariants
 from piper_compile.passes.lower import LOWERING_PASSES
+from piper_compile.knobs import knob
 
 Pass = Callable[[TrainingDAG, PassContext], TrainingDAG]
 DIRECTIVE_PASSES[Shard] = apply_shard  # type: ignore[assignment]
@@ -29,14 +29,14 @@ def _run(name: str, fn: Callable[[], TrainingDAG], ctx: PassContext) -> Training
     ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - t0
     if not isinstance(dag, TrainingDAG):
         raise TypeError(f"piper: internal: pass {name} returned {type(dag).__name__}, not a TrainingDAG")
-    if os.environ.get("PIPER_DEBUG"):
+    if knob("PIPER_DEBUG"):
         print(f"--- piper: DAG after {name}: {dag.summary()}\n{dag.to_text()}", file=sys.stderr)
     return dag
 
 
 def run_passes(dag: TrainingDAG, directives: list[Directive], ctx: PassContext) -> TrainingDAG:
     """Apply ``directives`` then lowering; returns the final, invariant-checked DAG."""
-    skip = set(filter(None, os.environ.get("PIPER_SKIP_PASSES", "").split(",")))
+    skip = set(filter(None, knob("PIPER_SKIP_PASSES").split(",")))
     ctx.directives = list(directives)
     if not any(isinstance(d, Split) for d in directives):
         dag = _run("split(implicit)", lambda: DIRECTIVE_PASSES[Split](dag, Split(num_microbatches=1), ctx), ctx)

@@ -16,13 +16,13 @@ moved a parameter of a given device and dtype, each step checks that one did, an
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from piper_compile.errors import PiperError
+from piper_compile.knobs import knob
 
 # (optimizer class name, device type, dtype) whose fused kernel matches the default implementation.
 # Not listed, hence default: every 16-bit dtype (fused SGD on CPU does not update bf16/fp16 parameters in
@@ -42,7 +42,7 @@ def build_optimizer(factory: Callable[..., torch.optim.Optimizer], params: list[
     ``PIPER_FUSED_OPTIMIZER=0`` always builds the default implementation."""
     chosen = isinstance(factory, functools.partial) and bool({"fused", "foreach"} & set(factory.keywords))
     opt = factory(params)
-    if chosen or os.environ.get("PIPER_FUSED_OPTIMIZER", "1") == "0" or not isinstance(opt, torch.optim.Optimizer):
+    if chosen or not knob("PIPER_FUSED_OPTIMIZER") or not isinstance(opt, torch.optim.Optimizer):
         return opt
     devices = {(p.device, p.dtype) for g in opt.param_groups for p in g["params"]}
     if not devices or not all(fused_is_correct(factory, type(opt), d, dt) for d, dt in devices):

@@ -22,6 +22,7 @@ from piper_compile.ir.shard import ParamShard
 from piper_compile.plan.program import Program
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
+from piper_compile.knobs import knob
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
@@ -37,7 +38,7 @@ def keep_host_heap(mmap_bytes: int = 32 << 20, trim_bytes: int = 64 << 20) -> bo
     are the ones glibc's own adaptation reaches once a 32 MiB block has been freed (blocks of up to
     32 MiB come from the heap, up to 64 MiB of free heap is kept). Once per process; glibc only;
     ``PIPER_KEEP_HEAP=0`` leaves malloc alone. Returns whether the thresholds were set."""
-    if os.environ.get("PIPER_KEEP_HEAP", "1") == "0" or platform.system() != "Linux" \
+    if not knob("PIPER_KEEP_HEAP") or platform.system() != "Linux" \
             or platform.libc_ver()[0] != "glibc":
         return False
     try:

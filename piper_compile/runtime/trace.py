@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from piper_compile.plan.program import Instr, Program
+from piper_compile.knobs import knob
 
 
 _Record = tuple[int, Instr, float, float, float]  # position, instruction, start, host end, wait before it
@@ -95,7 +96,7 @@ class Recorder(NullRecorder):
     @staticmethod
     def from_env(program: Program, forward_only: bool = False) -> NullRecorder:
         """A ``Recorder`` writing to ``$PIPER_TRACE`` when it is set, else a ``NullRecorder``."""
-        directory = os.environ.get("PIPER_TRACE")
+        directory = knob("PIPER_TRACE")
         return Recorder(program, directory, forward_only) if directory else NullRecorder()
 
     def _reset(self) -> None:

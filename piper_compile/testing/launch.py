@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from piper_compile.knobs import knob
 
 
 def free_port() -> int:
@@ -45,10 +46,10 @@ _CLONE_NEWNET = 0x40000000
 def enter_rank_netns(rank: int, world: int) -> str:
     """Move this process into rank ``rank``'s network namespace when ``PIPER_RANK_NETNS`` names one per
     rank; returns the address rank 0 listens on (``127.0.0.1`` when the variable is unset)."""
-    names = [n for n in os.environ.get("PIPER_RANK_NETNS", "").split(",") if n]
+    names = [n for n in knob("PIPER_RANK_NETNS").split(",") if n]
     if not names:
         return "127.0.0.1"
-    addrs = os.environ.get("PIPER_RANK_ADDRS", "").split(",")
+    addrs = knob("PIPER_RANK_ADDRS").split(",")
     if len(names) < world or len(addrs) < world:
         raise RuntimeError(f"piper: PIPER_RANK_NETNS/PIPER_RANK_ADDRS name {len(names)}/{len(addrs)} ranks but "
                            f"{world} were launched; create one namespace per rank (emulated_link.py --per-rank "
@@ -59,7 +60,7 @@ def enter_rank_netns(rank: int, world: int) -> str:
             raise OSError(ctypes.get_errno(), f"piper: setns into network namespace {names[rank]!r} failed")
     finally:
         os.close(fd)
-    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("PIPER_RANK_IFNAME", "pl0")
+    os.environ["GLOO_SOCKET_IFNAME"] = knob("PIPER_RANK_IFNAME")
     return addrs[0]
 
 

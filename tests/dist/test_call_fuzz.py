@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import time
 from typing import Any
 
@@ -19,11 +18,12 @@ from torch import nn
 
 import piper_compile as piper
 from piper_compile.testing.launch import run_local
+from piper_compile.knobs import knob
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 8.0
-EXAMPLES = int(os.environ.get("PIPER_FUZZ_EXAMPLES", "6"))
+EXAMPLES = knob("PIPER_FUZZ_EXAMPLES")
 OUTCOMES: collections.Counter[str] = collections.Counter()
 Call = tuple[str, int, int]  # (train | eval, local batch, argument count 2 | 3)
 

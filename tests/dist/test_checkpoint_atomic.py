@@ -21,6 +21,7 @@ from test_checkpoint import _make, _train
 import piper_compile as piper
 from piper_compile.testing.launch import run_local
 from piper_compile.testing.parity import RunConfig, _model
+from piper_compile.knobs import knob
 
 pytestmark = pytest.mark.slow
 
@@ -277,14 +278,14 @@ def test_sigkill_at_random_points_of_save(tmp_path):
     After every trial the latest committed checkpoint loads and resumes bitwise in fresh processes (losses of
     the next two steps as in the uninterrupted run); it holds the previous trial's state or this one's, never
     a mix, never nothing; a trial whose ranks both finished committed its own."""
-    trials, last = int(os.environ.get("PIPER_CRASH_TRIALS", 25)), 8  # more for a soak run
+    trials, last = knob("PIPER_CRASH_TRIALS"), 8  # more for a soak run
     root = tmp_path / "run"
     root.mkdir()
     t0 = time.monotonic()
     ref = run_local(_reference, 2, str(root), str(tmp_path / "probe" / "ckpt"), last)
     states, losses = ref[0]["states"], ref[0]["losses"]
     events = [r["events"] for r in ref]
-    rng = random.Random(int(os.environ.get("PIPER_CRASH_SEED", 18)))
+    rng = random.Random(knob("PIPER_CRASH_SEED"))
     counts = {"committed new": 0, "kept previous": 0, "not killed": 0, "previous set aside, loaded from there": 0}
     cur, paths, plan = 1, [], []
     for i in range(trials):

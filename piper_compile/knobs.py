@@ -1,0 +1,124 @@
+"""Every ``PIPER_*`` environment variable piper reads, in one table.
+
+Each knob says its type, its default, what it does, and so the error a bad value gets: code reads a knob
+only through ``knob(name)`` (an unknown name is an internal error, so a knob cannot be read without being
+listed here). README's knob table is generated from ``KNOBS`` (``python -m piper_compile knobs``) and a test
+checks that the two agree. Options given to ``torch.compile`` win over the variables that default them
+(``options.py``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from piper_compile.errors import PiperError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One environment variable: ``kind`` is ``flag``, ``int`` (whole number >= 0), ``float`` (> 0),
+    ``choice`` (one of ``choices``) or ``text``; ``scope`` is ``run`` (a user's run) or ``testing`` (the test
+    harness and benchmarks)."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+    scope: str = "run"
+
+    def expected(self) -> str:
+        return {"flag": "0 or 1", "int": "a whole number >= 0", "float": "a number > 0",
+                "choice": " or ".join(repr(c) for c in self.choices), "text": "text"}[self.kind]
+
+    def parse(self, text: str) -> Any:
+        """The value of ``text``; a ``piper:`` error naming the variable, what it takes and what it does."""
+        value = _parse(self.kind, text.strip(), self.choices)
+        if value is None:
+            raise PiperError(f"piper: {self.name} must be {self.expected()}, got {text!r} ({self.doc}; "
+                             f"unset it for the default, {self.default!r})")
+        return value
+
+
+def _parse(kind: str, text: str, choices: tuple[str, ...]) -> Any:
+    """The parsed value, or None when ``text`` is not one of ``kind``."""
+    if kind == "flag":
+        low = text.lower()
+        return True if low in _TRUE else False if low in _FALSE else None
+    if kind == "int":
+        return int(text) if text.isdigit() else None
+    if kind == "float":
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        return value if value > 0 else None
+    if kind == "choice":
+        return text if text in choices else None
+    return text
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("PIPER_DEBUG", "flag", False, "print the DAG after every pass (to stderr)"),
+    Knob("PIPER_SKIP_PASSES", "text", "", "comma-separated pass names the pass driver skips (debugging only)"),
+    Knob("PIPER_TRACE", "text", "", "a directory: write a Chrome/Perfetto trace per rank of every step (pid = rank, tid = stream, SEND to RECV flows)"),
+    Knob("PIPER_CODEGEN", "choice", "inductor", "default of options['codegen']: compile segments with "
+         "Inductor, or run them as eager FX graphs", ("inductor", "eager")),
+    Knob("PIPER_TIMEOUT", "float", 300.0, "default of options['timeout']: seconds before a stuck collective or "
+         "receive fails the step"),
+    Knob("PIPER_REMAT", "flag", True, "default of options['remat']: recompute cheap activations in the backward"),
+    Knob("PIPER_OVERLAP_STREAMS", "flag", True, "default of options['overlap_streams']: CUDA overlap slots on "
+         "two streams"),
+    Knob("PIPER_REORDER_WINDOW", "int", 8, "default of options['reorder_window']: how many compute steps "
+         "ahead the runtime may run while a step waits for its input; 0 keeps program order except for "
+         "overlap slots"),
+    Knob("PIPER_INDUCTOR_CACHE", "flag", False, "let Inductor's on-disk FX graph cache serve compiled "
+         "segments (first step ~2x faster, ~150 MiB more RSS per process)"),
+    Knob("PIPER_FUSED_OPTIMIZER", "flag", True, "build piper's optimizer with fused=True where that is known "
+         "to update like the default implementation"),
+    Knob("PIPER_KEEP_HEAP", "flag", True, "on Linux CPU, tune glibc malloc so freed step memory is reused "
+         "instead of returned to the OS"),
+    Knob("PIPER_RANK_NETNS", "text", "", "comma-separated network namespace per rank that run_local enters "
+         "(benchmarks/emulated_link.py --per-rank)", scope="testing"),
+    Knob("PIPER_RANK_ADDRS", "text", "", "comma-separated address per rank, beside PIPER_RANK_NETNS",
+         scope="testing"),
+    Knob("PIPER_RANK_IFNAME", "text", "pl0", "the interface gloo uses inside a rank's namespace",
+         scope="testing"),
+    Knob("PIPER_FUZZ_EXAMPLES", "int", 6, "examples of the call-consistency fuzz (tests/dist/test_call_fuzz.py)",
+         scope="testing"),
+    Knob("PIPER_CRASH_TRIALS", "int", 25, "SIGKILL-during-save trials (tests/dist/test_checkpoint_atomic.py)",
+         scope="testing"),
+    Knob("PIPER_CRASH_SEED", "int", 18, "seed of those trials", scope="testing"),
+)}
+
+
+def knob(name: str) -> Any:
+    """The value of environment variable ``name`` (its default when unset or empty)."""
+    k = KNOBS.get(name)
+    if k is None:
+        raise KeyError(f"piper: internal: {name} is not a registered knob (add it to piper_compile/knobs.py)")
+    text = os.environ.get(name, "")
+    return k.default if text.strip() == "" else k.parse(text)
+
+
+def is_set(name: str) -> bool:
+    """Whether ``name`` is set to a non-empty value (so an error can say where a value came from)."""
+    assert name in KNOBS, name
+    return os.environ.get(name, "").strip() != ""
+
+
+def markdown_table() -> str:
+    """README's knob table."""
+    rows = ["| variable | takes | default | what it does |", "| --- | --- | --- | --- |"]
+    for scope in ("run", "testing"):
+        for k in KNOBS.values():
+            if k.scope == scope:
+                default = "unset" if k.default in ("", None) else f"`{k.default!r}`" if k.kind != "flag" \
+                    else f"`{int(k.default)}`"
+                what = k.doc + (" -- tests and benchmarks only" if scope == "testing" else "")
+                rows.append(f"| `{k.name}` | {k.expected()} | {default} | {what} |")
+    return "\n".join(rows)
