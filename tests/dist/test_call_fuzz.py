@@ -1,5 +1,5 @@
 """Consistency fuzz: random per-rank call sequences -- training calls, no_grad calls, batch sizes (uneven,
-indivisible, empty) and argument counts -- on 2-3 gloo ranks. Every call either matches single-process
+indivisible, empty) and argument counts -- on 2-4 gloo ranks. Every call either matches single-process
 training on the concatenated batch, or raises a piper error on every rank, at the same call, within the
 timeout; nothing after it runs. ``PIPER_FUZZ_EXAMPLES=N`` runs a longer soak and prints the outcome counts."""
 from __future__ import annotations
@@ -95,7 +95,7 @@ _call = st.tuples(st.sampled_from(["train", "train", "eval"]), st.sampled_from([
 
 @st.composite
 def _scenario(draw: Any) -> tuple[int, int, list[list[Call]]]:
-    world, length = draw(st.sampled_from([2, 3])), draw(st.integers(2, 4))
+    world, length = draw(st.sampled_from([2, 3, 4])), draw(st.integers(2, 4))
     base = draw(st.lists(_call, min_size=length, max_size=length))
     scripts = []
     for _ in range(world):  # each rank: the common script, sometimes changed at one call
