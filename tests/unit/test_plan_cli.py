@@ -125,3 +125,16 @@ def test_cli_explain_zero3_plans_gathers_and_predicts_sharded_memory(capsys):
                                      world_size=4, options=opt))
     assert zero3.param_bytes[0] <= plain.param_bytes[0] // 2 + 64 and zero3.grad_bytes[0] == 0
     assert zero3.peak_gathered_bytes[0] > 0 and plain.peak_gathered_bytes[0] == 0
+
+
+@pytest.mark.slow
+def test_explain_plans_and_verifies_1024_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """README's claim: PP8 x DP128 (1024 ranks) planned, verified and simulated in one process, without
+    launching anything (fake process group, meta tensors)."""
+    assert main(["explain", "--model", "gpt", "--stages", "8", "--dp", "128", "--microbatches", "16",
+                 "--batch", "16", "--ranks", "0", "1023"]) == 0
+    out = capsys.readouterr().out
+    assert "# 1024 ranks" in out and "verified in" in out and "predicted step" in out, out[-2000:]
+    first, last = (next(ln for ln in out.splitlines() if ln.startswith(f"rank {r}: ")) for r in (0, 1023))
+    assert first.count(" F0.mb") == 16 and first.rstrip().endswith("UPD"), first[:200]  # stage 0, 16 micro-batches
+    assert last.count(" B7.mb") == 16 and "AR.b0@dp" in last, last[:200]  # stage 7, its data-parallel reduction
