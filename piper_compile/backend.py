@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments

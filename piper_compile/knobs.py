@@ -105,12 +105,6 @@ def knob(name: str) -> Any:
     return k.default if text.strip() == "" else k.parse(text)
 
 
-def is_set(name: str) -> bool:
-    """Whether ``name`` is set to a non-empty value (so an error can say where a value came from)."""
-    assert name in KNOBS, name
-    return os.environ.get(name, "").strip() != ""
-
-
 def markdown_table() -> str:
     """README's knob table."""
     rows = ["| variable | takes | default | what it does |", "| --- | --- | --- | --- |"]

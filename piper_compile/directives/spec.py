@@ -130,12 +130,6 @@ class ShardTensor(Directive):
         return d
 
 
-def sharding_parts(kind: str) -> tuple[str, int]:
-    """``"colwise:3"`` -> ("colwise", 3); ``"rowwise"`` -> ("rowwise", 1)."""
-    base, _, n = kind.partition(":")
-    return base, int(n) if n else 1
-
-
 _KNOWN = {"place": Place, "split": Split, "replicate": Replicate, "order": Order, "shard": Shard,
           "shard_tensor": ShardTensor}
 _FUTURE = {"stream", "checkpoint"}
@@ -391,15 +385,3 @@ def split_backward_filters(directives: Iterable[Directive]) -> list[Filter]:
                         if base not in out:
                             out.append(base)
     return out
-
-
-def filter_keys(directives: Iterable[Directive]) -> set[str]:
-    keys: set[str] = set()
-    for d in directives:
-        if isinstance(d, Order):
-            for g in d.filters:
-                for f in g:
-                    keys.update(f)
-        else:
-            keys.update(getattr(d, "filter", {}))
-    return keys

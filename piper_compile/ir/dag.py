@@ -11,7 +11,7 @@ import dataclasses
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from piper_compile.ir.kind import Kind
 from piper_compile.ir.ops import Op, op_from_fields
@@ -320,7 +320,3 @@ def parse_dag(text: str) -> TrainingDAG:
     for a, b in orders:
         dag.add_order(a, b)
     return dag
-
-
-def nodes_matching(dag: TrainingDAG, pred: Any) -> Iterable[Node]:
-    return [n for n in dag.nodes.values() if pred(n)]

@@ -140,7 +140,7 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     return order
 
 
-def build_program(dag: TrainingDAG, rank: int, external: set[str] | None = None) -> Program:
+def build_program(dag: TrainingDAG, rank: int) -> Program:
     """Instructions of ``rank`` in issue order, with waits on async predecessors and frees."""
     order = _local_order(dag, rank)
     preds = dag.predecessors()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT, eval_sym
+from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT
 from piper_compile.errors import PiperRuntimeError
 from piper_compile.plan.program import Instr
 from piper_compile.runtime.consistency import CallCheck, Weights
