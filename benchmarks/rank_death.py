@@ -104,7 +104,7 @@ def worker(strategy: str, point: str, victim: int, timeout: float, pg_timeout: f
 class Outcome:
     rank: int
     seconds: float | None  # from the kill to the process's exit; None: still running at the limit
-    status: str  # "exit 1", "signal SIGABRT", "killed at limit", ...
+    status: str  # "exit code 1", "signal SIGABRT", "killed at limit", ...
     message: str  # first line of its piper: message, or of its last error line
 
 

@@ -135,6 +135,6 @@ def test_rank_death_survivors_exit_naming_the_dead_rank(strategy: str, point: st
     assert [o.rank for o in outcomes] == [0]
     for o in outcomes:
         assert o.seconds is not None and o.seconds < 90, o
-        assert o.status == "exit 1", o
+        assert o.status == "exit code 1", o
         assert o.message.startswith("piper: rank 0:"), o
         assert "[1] never reached piper's setup" in o.message or "peer rank 1 closed" in o.message, o
