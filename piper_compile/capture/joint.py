@@ -218,30 +218,44 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
     specs, params, buffers = _describe_inputs(gm, example_inputs, sources or source_names(gm))
     if fakes is None:
         fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
+    jgm = _export_joint(gm, fakes)
+    final_specs, value_of = _joint_inputs(jgm, specs)
+    loss, grad_of = _joint_outputs(jgm, specs)
+    batch_symbols, batch_size = _batch_symbols(specs, gm)
+    _mark_batched(gm, specs, final_specs, batch_symbols)
+    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm)
+
+
+def _export_joint(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> fx.GraphModule:
+    """AOTAutograd's joint forward+backward graph of ``gm``, with flat placeholders and outputs."""
     try:
         with contextlib.ExitStack() as stack, torch.enable_grad():
-            joint = aot_export_joint_with_descriptors(stack, gm, fakes)
-            jgm = joint.graph_module
+            jgm = aot_export_joint_with_descriptors(stack, gm, fakes).graph_module
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise PiperCaptureError(
             f"piper: AOTAutograd could not export the joint forward+backward graph: {type(e).__name__}: {e}"
         ) from e
     jgm.graph._codegen = fx.graph.CodeGen()  # flat placeholders, flat outputs
     jgm.recompile()
+    return jgm
 
+
+def _joint_inputs(jgm: fx.GraphModule, specs: list[InputSpec]) -> tuple[list[InputSpec], dict[str, str]]:
+    """The spec of every joint placeholder (the primals' in order, then tangents) and its value name."""
     value_of: dict[str, str] = {}
-    placeholders = jgm.graph.find_nodes(op="placeholder")
     primal_specs = iter(specs)
     final_specs: list[InputSpec] = []
-    for node in placeholders:
+    for node in jgm.graph.find_nodes(op="placeholder"):
         desc = type(node.meta.get("desc")).__name__
-        if desc.startswith("Tangent"):
-            spec = InputSpec(TANGENT, "tangent", TANGENT_VALUE, None)
-        else:
-            spec = next(primal_specs)
+        tangent = desc.startswith("Tangent")
+        spec = InputSpec(TANGENT, "tangent", TANGENT_VALUE, None) if tangent else next(primal_specs)
         final_specs.append(spec)
         value_of[node.name] = spec.value
+    return final_specs, value_of
 
+
+def _joint_outputs(jgm: fx.GraphModule, specs: list[InputSpec]) -> tuple[str, dict[str, str]]:
+    """The loss output's name and the parameter each gradient output belongs to."""
     out_node = jgm.graph.find_nodes(op="output")[0]
     outs = list(out_node.args[0])
     descs = out_node.meta.get("desc") or [None] * len(outs)
@@ -252,11 +266,8 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
         if dname == "PlainAOTOutput" and loss is None:
             loss = o.name
         elif dname == "GradAOTOutput" and o is not None:
-            idx = d.grad_of.idx
-            spec = specs[idx]
-            if spec.kind == PARAM:
-                if not isinstance(o, fx.Node) or o.op == "placeholder":
-                    continue
+            spec = specs[d.grad_of.idx]
+            if spec.kind == PARAM and isinstance(o, fx.Node) and o.op != "placeholder":
                 grad_of[o.name] = spec.name
         elif dname not in ("GradAOTOutput", "PlainAOTOutput", "NoneType"):
             raise PiperCaptureError(
@@ -265,7 +276,13 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
                 "statistic outside the compiled step."
             )
     assert loss is not None
-    batch_symbols, batch_size = _batch_symbols(specs, gm)
+    return loss, grad_of
+
+
+def _mark_batched(gm: fx.GraphModule, specs: list[InputSpec], final_specs: list[InputSpec],
+                  batch_symbols: frozenset[Any]) -> None:
+    """Set ``batched`` on size symbols and inputs that carry the batch; an input whose other dimension is
+    the batch's symbol too cannot be sliced into micro-batches (error)."""
     for s in final_specs:
         if s.kind == SYM and s.symbol is not None:
             s.batched = s.symbol in batch_symbols
@@ -282,7 +299,6 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
                     "with dynamic=None) or use a different batch size")
         s.batched = (val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)
                      and val.shape[0].node.expr in batch_symbols)
-    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm)
 
 
 def eval_sym(expr: str | int, values: dict[str, int]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from piper_compile.ir.kind import Kind
 from piper_compile.ir.ops.base import Collective, Op
@@ -76,52 +76,55 @@ class GradReduce(Collective):
         return work
 
 
+class _ScalarAllReduce(Collective):
+    """A one-number world sum: the step's loss or the squared gradient norm. Subclasses say ``LABEL`` (the
+    program label and the stats counter) and ``value`` (this rank's share, kept in ``rt.result``)."""
+
+    __slots__ = ()
+    LABEL: ClassVar[str] = ""
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.ALL_REDUCE
+
+    def short(self, node: "Node", peer: int | None) -> str:
+        return f"AR.{self.LABEL}@{node.stream}"
+
+    def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
+        return cost.collective_time(ins, rank, "all_reduce", len(ins.node.devices), 4)
+
+    def value(self, rt: Any) -> Any:  # pragma: no cover - every subclass says
+        raise NotImplementedError
+
+    def start(self, rt: Any, ins: "Instr", pos: int) -> None:
+        rt.count(self.LABEL)
+        t = rt.result[self.LABEL] = self.value(rt)
+        rt.issue(ins, pos, rt.all_reduce(t, ins.node.stream, ins.node.devices))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class LossReduce(Collective):
+class LossReduce(_ScalarAllReduce):
     """The step's loss on every rank: ``holders`` (the ranks computing it) add their share of the global
     mean (``runtime/consistency.Weights``), the others zero."""
 
     NAME = "loss_reduce"
+    LABEL = "loss"
     holders: tuple[int, ...]
 
-    @property
-    def kind(self) -> Kind:
-        return Kind.ALL_REDUCE
-
-    def short(self, node: "Node", peer: int | None) -> str:
-        return f"AR.loss@{node.stream}"
-
-    def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
-        return cost.collective_time(ins, rank, "all_reduce", len(ins.node.devices), 4)
-
-    def start(self, rt: Any, ins: "Instr", pos: int) -> None:
-        rt.count("loss")
-        t = rt.loss_sum / rt.weights().loss_divisor if rt.rank in self.holders else rt.loss_sum.new_zeros(())
-        rt.result["loss"] = t
-        rt.issue(ins, pos, rt.all_reduce(t, ins.node.stream, ins.node.devices))
+    def value(self, rt: Any) -> Any:
+        return rt.loss_sum / rt.weights().loss_divisor if rt.rank in self.holders else rt.loss_sum.new_zeros(())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class NormReduce(Collective):
+class NormReduce(_ScalarAllReduce):
     """``options["clip_grad_norm"]``: the world sum of every rank's share of the squared gradient norm."""
 
     NAME = "norm_reduce"
+    LABEL = "gradnorm"
     max_norm: float
 
-    @property
-    def kind(self) -> Kind:
-        return Kind.ALL_REDUCE
-
-    def short(self, node: "Node", peer: int | None) -> str:
-        return f"AR.gradnorm@{node.stream}"
-
-    def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
-        return cost.collective_time(ins, rank, "all_reduce", len(ins.node.devices), 4)
-
-    def start(self, rt: Any, ins: "Instr", pos: int) -> None:
-        rt.count("gradnorm")
-        t = rt.result["gradnorm"] = rt.state.local_grad_sq(rt.update, rt.grads, rt.rank)
-        rt.issue(ins, pos, rt.all_reduce(t, ins.node.stream, ins.node.devices))
+    def value(self, rt: Any) -> Any:
+        return rt.state.local_grad_sq(rt.update, rt.grads, rt.rank)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
