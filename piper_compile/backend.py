@@ -202,7 +202,7 @@ class CompiledStep:
         assert self.state is not None and self.joint is not None
         self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
         self.state.ensure_shards(self._shard_specs(dag), self.joint.params, self.rank)
-        if dag.meta.get("zero") and not forward_only:
+        if dag.meta.zero and not forward_only:
             self.state.release_unused(_unread_params(dag, program))
         check_shared_parameters(self.state)
         executor = self._executor(program, groups, dag, forward_only)
@@ -235,18 +235,17 @@ class CompiledStep:
     def _executor(self, program: Program, groups: GroupRegistry | None, dag: TrainingDAG,
                   forward_only: bool) -> Executor:
         assert self.state is not None and self.joint is not None
-        return Executor(program, self.joint, self.compiled, self.state, groups, dag.meta["split"],
-                        dag.meta["loss_group"], self.options.timeout_s, forward_only,
+        return Executor(program, self.joint, self.compiled, self.state, groups, dag.meta.split or 1,
+                        dag.meta.loss_group, self.options.timeout_s, forward_only,
                         self.options.overlap_streams, self.options.reorder_window)
 
     def _shard_specs(self, dag: TrainingDAG) -> dict[str, tuple[ParamShard, tuple[int, ...], str, str]]:
         """Parameters split across ranks, with this rank's group: experts (``shard``) along the expert
         index, and the layers ``shard_tensor`` split at capture."""
-        specs = {f: (ParamShard(f, 0, 1, len(g)), g, stream, "ep")
-                 for f, (g, _, stream) in dag.meta.get("ep_params", {}).items()}
+        specs = {f: (ParamShard(f, 0, 1, len(s.group)), s.group, s.stream, "ep") for f, s in dag.meta.ep_params.items()}
         group = next((g for n in dag.of_kind(Kind.COMPUTE) for g in n.attr("tp_groups") or () if self.rank in g), None)
         if group is not None:
-            specs.update({f: (spec, group, dag.meta["tp"][2], "tp") for f, spec in self.tp_shards.items()})
+            specs.update({f: (spec, group, dag.meta.tp.stream if dag.meta.tp else "tp", "tp") for f, spec in self.tp_shards.items()})
         return specs
 
     # -- which model a call is for --------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from piper_compile.ir.kind import Kind
+from piper_compile.ir.meta import DagMeta, parse_meta, tuplify
 from piper_compile.ir.ops import Op, op_from_fields
 
 TagValue = int | str
@@ -117,12 +118,6 @@ class Node:
         )
 
 
-def _tuplify(x: Any) -> Any:
-    if isinstance(x, list):
-        return tuple(_tuplify(v) for v in x)
-    return x
-
-
 def parse_node(line: str) -> Node:
     """Inverse of ``Node.to_text``."""
     kind, name, dev, stream, ins, outs, rest = line.split(" ", 6)
@@ -143,7 +138,7 @@ def parse_node(line: str) -> Node:
         return () if text == "-" else tuple(text.split(","))
 
     d = field_(dev, "dev")
-    attrs = {k: _tuplify(v) for k, v in json.loads(rest[end + len(" attrs="):]).items()}
+    attrs = {k: tuplify(v) for k, v in json.loads(rest[end + len(" attrs="):]).items()}
     node = Node(name=name, op=op_from_fields(op_name, op_fields), tags=tuple(tag_dict.items()),
                 devices=() if d == "-" else tuple(int(x) for x in d.split(",")), stream=field_(stream, "stream"),
                 inputs=names(field_(ins, "in")), outputs=names(field_(outs, "out")), attrs=tuple(sorted(attrs.items())))
@@ -153,11 +148,24 @@ def parse_node(line: str) -> Node:
 
 @dataclass
 class TrainingDAG:
-    """The global DAG of one training step. Nodes keep insertion order (used as a stable tie-break)."""
+    """The global DAG of one training step. Nodes keep insertion order (used as a stable tie-break).
+    ``meta`` is the step's layout record (part of the text form); ``segments`` are the captured segments
+    the COMPUTE nodes name (their code: not part of the text form, a pass that needs them gets them from
+    its ``PassContext``)."""
 
     nodes: dict[str, Node] = field(default_factory=dict)
     order_edges: set[tuple[str, str]] = field(default_factory=set)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: DagMeta = field(default_factory=DagMeta)
+    segments: dict[str, Any] = field(default_factory=dict, repr=False)
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def cached(self, what: str, key: Any, compute: Any) -> Any:
+        """``compute()``, remembered on this DAG while ``key`` stays the same (e.g. a global order
+        for a given node and edge count)."""
+        hit = self._cache.get(what)
+        if hit is None or hit[0] != key:
+            hit = self._cache[what] = (key, compute())
+        return hit[1]
 
     # -- construction -------------------------------------------------------------------------
     def add(self, node: Node) -> Node:
@@ -190,7 +198,7 @@ class TrainingDAG:
             self.order_edges.add((before, after))
 
     def copy(self) -> "TrainingDAG":
-        return TrainingDAG(dict(self.nodes), set(self.order_edges), dict(self.meta))
+        return TrainingDAG(dict(self.nodes), set(self.order_edges), self.meta.copy(), self.segments)
 
     # -- queries ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Node]:
@@ -294,7 +302,10 @@ class TrainingDAG:
 
     # -- text form ----------------------------------------------------------------------------
     def to_text(self) -> str:
-        lines = [n.to_text() for n in self.nodes.values()]
+        """``META`` line (when the meta is not a fresh DAG's), one line per node, one per order edge."""
+        meta = self.meta.to_text()
+        lines = [meta] if meta != "META {}" else []
+        lines += [n.to_text() for n in self.nodes.values()]
         lines += [f"ORDER {a} -> {b}" for a, b in sorted(self.order_edges)]
         return "\n".join(lines) + "\n"
 
@@ -306,13 +317,15 @@ class TrainingDAG:
 
 
 def parse_dag(text: str) -> TrainingDAG:
-    """Inverse of ``TrainingDAG.to_text`` (meta is not part of the text form)."""
+    """Inverse of ``TrainingDAG.to_text`` (``segments`` are not part of the text form)."""
     dag = TrainingDAG()
     orders: list[tuple[str, str]] = []
     for line in text.splitlines():
         if not line.strip():
             continue
-        if line.startswith("ORDER "):
+        if line.startswith("META "):
+            dag.meta = parse_meta(line)
+        elif line.startswith("ORDER "):
             a, b = line[len("ORDER ") :].split(" -> ")
             orders.append((a, b))
         else:

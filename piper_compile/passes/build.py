@@ -17,5 +17,5 @@ def build_dag(segments: list[Segment], forward_only: bool = False) -> TrainingDA
         op = SegmentOp(seg.name, label, seg.loss or None, tuple(seg.grads) if seg.grads and not forward_only else (),
                        seg.boundary or None)
         dag.add(Node(seg.name, op, tags, (), "compute", seg.inputs, seg.outputs))
-    dag.meta["segments"] = {s.name: s for s in segments}
+    dag.segments = {s.name: s for s in segments}
     return dag

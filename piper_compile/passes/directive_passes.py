@@ -19,7 +19,7 @@ def _compute(dag: TrainingDAG) -> list[Node]:
 def _regions_text(dag: TrainingDAG) -> str:
     seen: list[str] = []
     for n in _compute(dag):
-        t = ",".join(f"{k}={v}" for k, v in n.tags if k != "PASS" and k != dag.meta.get("mb_tag"))
+        t = ",".join(f"{k}={v}" for k, v in n.tags if k != "PASS" and k != dag.meta.mb_tag)
         t = "{" + t + "}"
         if t not in seen:
             seen.append(t)
@@ -31,7 +31,7 @@ def match(dag: TrainingDAG, d: Directive, flt: Filter, ctx: PassContext, allow_e
     known = ctx.tag_keys(dag)
     unknown = sorted(set(flt) - known)
     if unknown:
-        mb_tag = dag.meta.get("mb_tag", "MB")
+        mb_tag = dag.meta.mb_tag
         hint = (f" ({mb_tag!r} exists only after a split directive; put split before this directive)"
                 if mb_tag in unknown else "")
         raise d.error(f"filter {flt} uses tag(s) {unknown} that no part of the model has{hint}; "
@@ -98,7 +98,7 @@ def apply_replicate(dag: TrainingDAG, d: Replicate, ctx: PassContext) -> Trainin
 
 
 def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
-    if "split" in dag.meta:
+    if dag.meta.split is not None:
         raise d.error("the model is already split into micro-batches", "give one split directive")
     nodes = match(dag, d, d.filter, ctx)
     missing = [n.name for n in _compute(dag) if n not in nodes]
@@ -122,7 +122,7 @@ def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
     if ctx.batch_size and ctx.batch_size % m:
         raise d.error(f"the local batch of {ctx.batch_size} does not divide into {m} micro-batches",
                       f"use a batch size that is a multiple of {m}, or a micro-batch count that divides it")
-    out = TrainingDAG(meta=dict(dag.meta))
+    out = TrainingDAG(meta=dag.meta.copy(), segments=dag.segments)
     produced = set(dag.producers())
 
     def rename(v: str, k: int) -> str:
@@ -139,19 +139,19 @@ def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
     for a, b in dag.order_edges:
         for k in range(m):
             out.add_order(f"{a}.mb{k}", f"{b}.mb{k}")
-    out.meta.update(split=m, mb_tag=d.dim_name, split_by=d.index)
+    out.meta.split, out.meta.mb_tag, out.meta.split_by = m, d.dim_name, d.index
     return out
 
 
 def _check_microbatches(dag: TrainingDAG, d: Order, ctx: PassContext) -> None:
     """An order that names micro-batches must name every one the split made (a schedule built for 2
     micro-batches used with split(4) would leave 2 of them in no stated order)."""
-    if "split" not in dag.meta:  # not split yet: match() says to put the split first
+    if dag.meta.split is None:  # not split yet: match() says to put the split first
         return
-    tag, m = dag.meta.get("mb_tag", "MB"), dag.meta["split"]
+    tag, m = dag.meta.mb_tag, dag.meta.split
     named = {f[tag] for g in d.filters for f in g if isinstance(f.get(tag), int)}
     if named and named != set(range(m)):
-        split = ctx.directive(dag.meta.get("split_by", -1))
+        split = ctx.directive(dag.meta.split_by if dag.meta.split_by is not None else -1)
         by = f"directive #{split.index} {_json(split)} splits" if split is not None else "the step has"
         missing = sorted(set(range(m)) - named)
         raise d.error(f"it orders micro-batches {sorted(named)} but {by} {m} micro-batch(es)"
@@ -177,7 +177,7 @@ def apply_order(dag: TrainingDAG, d: Order, ctx: PassContext) -> TrainingDAG:
         raise d.error(f"order spans regions on different device groups {sorted(map(list, devs))}; order edges "
                       "only sequence work on one device group", "write one order directive per device group "
                       "(cross-device order follows from the data and the sends/receives)")
-    by = dag.meta.setdefault("order_by", {})
+    by = dag.meta.order_by
     for before, after in zip(groups, groups[1:]):
         for a in before:
             for b in after:

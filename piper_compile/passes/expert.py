@@ -10,7 +10,7 @@ of the matched regions. Lowering replaces each marked step by a chain on the exp
 The backward reuses the forward's routing (``route`` value: slot order, split sizes, counts) and the
 tokens it received (``recv``), as an autograd all-to-all would save them. Expert weights are held as
 local shards ``[E / ep, ...]`` on each rank; their gradients already sum every rank's tokens, so they
-are not reduced across the group (``dag.meta["ep_params"]`` lists them for the gradient passes).
+are not reduced across the group (``dag.meta.ep_params`` lists them for the gradient passes).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from piper_compile.capture.segments import boundary_kind
 from piper_compile.directives.spec import Shard
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, param_fqn
+from piper_compile.ir.meta import ExpertShard
 from piper_compile.ir.ops import ExpertA2A, ExpertCounts, ExpertStep, Op
 from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.passes.context import PassContext
@@ -101,7 +102,7 @@ def _chain(dag: TrainingDAG, n: Node, group: tuple[int, ...], steps: list[Step])
 def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     """Replace every expert step marked by ``shard`` (on more than one rank) by its all-to-all chain."""
     marked = [n for n in dag.of_kind(Kind.COMPUTE) if n.attr("ep_by") is not None]
-    ep_params: dict[str, tuple[tuple[int, ...], int, str]] = dag.meta.setdefault("ep_params", {})
+    ep_params = dag.meta.ep_params
     fwd_of = {_op_args(ctx, n)[1]: n for n in marked if _boundary(n) == "moe_fwd"}  # routing value -> forward
     for n in marked:
         group = _group(n)
@@ -118,7 +119,7 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
                                       f"use a number of experts divisible by {len(group)}, or shard over fewer ranks")
         weights = tuple(args[w0 + i] for i in range(3))
         for w in weights:
-            ep_params[param_fqn(w)] = (group, experts, n.attr("ep_stream") or "ep")  # type: ignore[index]
+            ep_params[param_fqn(w)] = ExpertShard(group, experts, n.attr("ep_stream") or "ep")  # type: ignore[index]
         fwd_seg = ctx.segments[(n if forward else fwd_of.get(args[2], n)).op.segment]  # type: ignore[attr-defined]
         rows: tuple[tuple[Any, ...], str] = ((), "")
         if fwd_seg.boundary == "moe_fwd":  # rows x features each all-to-all moves (the simulator's cost)

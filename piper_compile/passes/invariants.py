@@ -38,7 +38,7 @@ def check_invariants(dag: TrainingDAG, ctx: PassContext) -> None:
         written = {fqn for n in dag.of_kind(Kind.COMPUTE) for _, fqn in n.op.grad_outputs()}
         if written - updated:
             fail(f"parameters {sorted(written - updated)} get gradients but no UPDATE")
-    for group, z in dag.meta.get("zero", {}).items():
+    for group, z in (dag.meta.zero or {}).items():
         if z.level < 3:
             continue
         sharded = {f"param:{f}" for _, fqns in z.buckets for f in fqns}

@@ -46,7 +46,7 @@ def lower_placement(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
 
 
 def _check_order_devices(dag: TrainingDAG) -> None:
-    for (a, b), idx in dag.meta.get("order_by", {}).items():
+    for (a, b), idx in dag.meta.order_by.items():
         if a in dag.nodes and b in dag.nodes and dag.nodes[a].devices != dag.nodes[b].devices:
             raise PiperDirectiveError(idx, {"order": [a, b]}, f"orders {a} (ranks {list(dag.nodes[a].devices)}) "
                                       f"before {b} (ranks {list(dag.nodes[b].devices)}): different device groups",
@@ -86,7 +86,7 @@ def insert_p2p(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
 
 def _add_send_recv(dag: TrainingDAG, ctx: PassContext, p: Node, c: Node, v: str) -> str:
     stream = c.attr("p2p_stream") or (P2P_FWD if p.tag("PASS") == "F" else P2P_BWD)
-    dst, src = group_label(c.devices), group_label(p.devices)
+    dst = group_label(c.devices)
     shape, dtype = _recv_meta(ctx, p, v)
     if dtype == "sym":  # capture recomputes scalars in the consuming region (capture/segments.py)
         raise PiperError(f"piper: internal: the scalar {v} produced by {p.name} (ranks {list(p.devices)}) would be "
@@ -99,7 +99,6 @@ def _add_send_recv(dag: TrainingDAG, ctx: PassContext, p: Node, c: Node, v: str)
     recv = Node(f"RECV.{v}>{dst}", Recv(out, p.devices, tuple(shape), dtype, mb), tags, c.devices, stream, (), (out,))
     dag.add(send)
     dag.add(recv)
-    dag.meta.setdefault("sends", []).append((send.name, recv.name, src))
     return out
 
 
@@ -201,7 +200,7 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         by_group[next(iter(groups))].append(fqn)
     ready_after: dict[str, list[str]] = {}  # fqn -> nodes after which its final gradient is ready
     update_deps: dict[tuple[int, ...], list[str]] = defaultdict(list)
-    ep = dag.meta.get("ep_params", {})
+    ep = dag.meta.ep_params
     for group, fqns in by_group.items():
         # Bucket in the order gradients finish: by the position of the last backward writing them.
         fqns.sort(key=lambda f: max(index[w.name] for w in writers[f]))
@@ -255,7 +254,7 @@ def _insert_update(dag: TrainingDAG, group: tuple[int, ...], held: dict[str, set
     # gradient-norm accounting: each gradient counted once in the world (by its writer group)
     own = tuple(sorted(set(by_group.get(group, ()))))
     # expert shards: every rank updates (and counts in the gradient norm) its own experts
-    ep = tuple(sorted(f for f in params if f in dag.meta.get("ep_params", {})))
+    ep = tuple(sorted(f for f in params if f in dag.meta.ep_params))
     op = Update(tuple(params), own, ep, z.level if z is not None else 0,
                 tuple(b for b, _ in z.buckets) if z is not None else ())
     upd = dag.add(Node(f"UPD.{group_label(group)}", op, (), group, "compute"))
@@ -277,7 +276,7 @@ def insert_loss_reduce(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     holders = [n for n in dag.of_kind(Kind.COMPUTE) if getattr(n.op, "loss", None)]
     if not holders:
         raise PiperError("piper: internal: no segment produces the loss")
-    dag.meta["loss_group"] = holders[0].devices
+    dag.meta.loss_group = holders[0].devices
     if ctx.world_size == 1:
         return dag
     ar = dag.add(Node("AR.loss", LossReduce(holders[0].devices), (), ctx.world, LOSS_STREAM))

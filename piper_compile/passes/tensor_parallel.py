@@ -16,6 +16,7 @@ from piper_compile.capture.segments import boundary_kind
 from piper_compile.directives.spec import ShardTensor
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
+from piper_compile.ir.meta import TensorParallelSpec
 from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.ir.ops import SequenceChunk, TpCollective
 from piper_compile.passes.context import PassContext
@@ -27,7 +28,7 @@ def apply_shard_tensor(dag: TrainingDAG, d: ShardTensor, ctx: PassContext) -> Tr
     check_ranks(d, [r for g in d.devices or () for r in g], ctx)
     for n in match(dag, d, d.filter, ctx):
         dag.replace(n.with_attrs(tp_by=d.index, tp_stream=d.stream))
-    dag.meta["tp"] = (d.index, d.devices, d.stream)
+    dag.meta.tp = TensorParallelSpec(d.index, d.devices, d.stream)
     return dag
 
 
@@ -51,9 +52,9 @@ def dp_subgroups(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], 
 
 def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     """Every marker step becomes its collective within each rank's tensor-parallel group."""
-    if "tp" not in dag.meta:
+    if dag.meta.tp is None:
         return dag
-    index, spec, stream = dag.meta["tp"]
+    index, spec, stream = dag.meta.tp.index, dag.meta.tp.groups, dag.meta.tp.stream
     sizes = set()
     for n in list(dag.of_kind(Kind.COMPUTE)):
         boundary = n.op.boundary if isinstance(n.op, SegmentOp) else None
@@ -73,7 +74,7 @@ def lower_tensor_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         dag.replace(n)
         if boundary in _COLLECTIVES:
             _lower_marker(dag, n, boundary, groups, stream, ctx)
-    dag.meta["tp_size"] = max(sizes) if sizes else 1
+    dag.meta.tp_size = max(sizes) if sizes else 1
     return dag
 
 

@@ -11,35 +11,16 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import PARAM_PREFIX as PARAM, Kind, Node, TrainingDAG, param_fqn
+from piper_compile.ir.meta import ZeroGroup
 from piper_compile.ir.ops import ParamGather
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.tensor_parallel import dp_subgroups
 
 def group_label(devices: tuple[int, ...]) -> str:
     return "r" + "_".join(map(str, devices))
-
-
-@dataclass
-class ZeroGroup:
-    """The ZeRO settings and shard buckets of one replicated device group."""
-
-    devices: tuple[int, ...]
-    level: int
-    gather_stream: str
-    prefetch: int
-    per_microbatch: bool = False  # reduce-scatter after every micro-batch (ZeRO-2/3)
-    buckets: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (bucket name, fqns)
-    whole: list[str] = field(default_factory=list)  # params of the group kept unsharded (tied)
-    # tensor parallel: the data-parallel subgroups, each sharding its own copy of the buckets (whose split
-    # layers are that position's pieces); None: the whole group shards them
-    subgroups: tuple[tuple[int, ...], ...] | None = None
-
-    def bucket_of(self) -> dict[str, str]:
-        return {f: b for b, fqns in self.buckets for f in fqns}
 
 
 def holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
@@ -55,10 +36,10 @@ def holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
 def zero_layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGroup]:
     """Shard buckets of every group replicated with zero >= 1 over more than one rank; the same in the
     training and the forward-only DAG (it is derived from the segments, not from the backward nodes).
-    Computed once per DAG and kept in ``dag.meta["zero"]``."""
-    if "zero" not in dag.meta:
-        dag.meta["zero"] = _layout(dag, ctx)
-    return dag.meta["zero"]
+    Computed once per DAG and kept in ``dag.meta.zero``."""
+    if dag.meta.zero is None:
+        dag.meta.zero = _layout(dag, ctx)
+    return dag.meta.zero
 
 
 _GROUP_SETTINGS = ("zero", "gather_stream", "prefetch", "reduce_mb")
@@ -103,7 +84,7 @@ def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGro
                                                    n.attr("prefetch", 1), bool(n.attr("reduce_mb", False)),
                                                    subgroups=dp_subgroups(tp) if tp else None))
         # expert shards stay local; sequence-parallel partial gradients are summed over the whole group
-        fqns = [f for _, f in seg.grads if f not in dag.meta.get("ep_params", {}) and f not in ctx.tp_partial]
+        fqns = [f for _, f in seg.grads if f not in dag.meta.ep_params and f not in ctx.tp_partial]
         g.whole += [f for f in fqns if len(held.get(f, ())) > 1]
         sharded = tuple(f for f in fqns if len(held.get(f, ())) <= 1)
         if sharded:

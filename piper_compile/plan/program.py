@@ -91,11 +91,7 @@ def _priority(node: Node) -> tuple:
 
 def _global_order(dag: TrainingDAG) -> list[str]:
     """One topological order of the whole DAG (cross-rank dependencies included), cached on the DAG."""
-    key = ("global_order", len(dag.nodes), len(dag.order_edges))
-    if dag.meta.get("_order_key") != key:
-        dag.meta["_order"] = dag.topo_order(key=_priority)
-        dag.meta["_order_key"] = key
-    return dag.meta["_order"]
+    return dag.cached("global_order", (len(dag.nodes), len(dag.order_edges)), lambda: dag.topo_order(key=_priority))
 
 
 def schedule_order(dag: TrainingDAG) -> list[str]:

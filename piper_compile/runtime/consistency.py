@@ -300,5 +300,5 @@ def call_layout(dag: Any, world: int) -> CallLayout:
     for n in dag.of_kind(Kind.COMPUTE):
         for g in n.attr("tp_groups") or ():
             pairs += [(g[0], r) for r in g[1:]]
-    holders = tuple(dag.meta["loss_group"])
-    return CallLayout(dag.meta["split"], holders, dag.meta.get("tp_size", 1), replicas(world, pairs))
+    holders = dag.meta.loss_group
+    return CallLayout(dag.meta.split or 1, holders, dag.meta.tp_size, replicas(world, pairs))

@@ -172,12 +172,12 @@ class FlopCost(CostModel):
     written: dict[str, int] = field(default_factory=dict, init=False)  # segment -> bytes written
 
     def bind(self, dag: TrainingDAG | None) -> None:
-        if dag is None or "segments" not in dag.meta:
+        if dag is None or not dag.segments:
             raise PiperError("piper: FlopCost needs the plan's DAG with its segments; use "
                              "simulate_plan(piper.plan(...), cost) or simulate(programs, cost, dag=plan.dag)")
         self.sizes = Sizes.from_dag(dag, self.symbols)
         syms = self.sizes.symbols
-        for name, seg in dag.meta["segments"].items():
+        for name, seg in dag.segments.items():
             nodes = list(seg.gm.graph.nodes)
             self.flops[name] = sum(node_flops(n, syms) for n in nodes)
             self.written[name] = sum(node_bytes(n, syms) for n in nodes)

@@ -1,5 +1,5 @@
 """Concrete sizes for the simulator: symbol values (the batch symbol at the micro-batch size), bytes of
-every DAG value and parameter, read from the plan's segments (``dag.meta["segments"]``)."""
+every DAG value and parameter, read from the plan's segments (``dag.segments``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ def _hints(val: Any, out: dict[str, int]) -> None:
 def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> dict[str, int]:
     """Symbol -> value used to make shapes concrete: capture-time values, with the batch symbol (dim 0
     of the batched user inputs) divided by the number of micro-batches, as the runtime does."""
-    segments = dag.meta.get("segments", {})
+    segments = dag.segments
     hints: dict[str, int] = {}
     batch_syms: set[str] = set()
     for seg in segments.values():
@@ -41,7 +41,7 @@ def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> 
                 d0 = val.shape[0]
                 if isinstance(d0, torch.SymInt) and isinstance(d0.node.expr, sympy.Symbol):
                     batch_syms.add(str(d0.node.expr))
-    m = int(dag.meta.get("split", 1))
+    m = dag.meta.split or 1
     out = {s: (v // m if s in batch_syms else v) for s, v in hints.items()}
     out.update(overrides or {})
     return out
@@ -104,7 +104,7 @@ class Sizes:
             return cls()
         syms = symbol_values(dag, symbols)
         out = cls(syms)
-        for seg in dag.meta.get("segments", {}).values():
+        for seg in dag.segments.values():
             out.values.update(seg.out_meta)
             phs = [n for n in seg.gm.graph.nodes if n.op == "placeholder"]
             for value, ph in zip(seg.inputs, phs):
@@ -112,9 +112,9 @@ class Sizes:
                 if value.startswith("param:") and isinstance(val, torch.Tensor):
                     out.params_numel[value[len("param:"):]] = numel(val.shape, syms)
                     out.params[value[len("param:"):]] = numel(val.shape, syms) * val.dtype.itemsize
-        for f, (group, _, _) in dag.meta.get("ep_params", {}).items():  # a rank holds E/G experts
-            out.params_numel[f] //= len(group)
-            out.params[f] //= len(group)
+        for f, shard in dag.meta.ep_params.items():  # a rank holds E/G experts
+            out.params_numel[f] //= len(shard.group)
+            out.params[f] //= len(shard.group)
         for n in dag.of_kind(Kind.RECV):
             op = n.op
             if op.state:  # type: ignore[attr-defined]

@@ -72,7 +72,7 @@ def check_zero_plan(model: str, stages: int, m: int, kind: str, zero: int, bucke
     with time_limit(30):
         dag, programs = _plan(model, stages, m, kind, zero, bucket_mb, prefetch)
         verify_programs(programs)
-    layout = dag.meta["zero"]
+    layout = dag.meta.zero
     sharded: Counter[str] = Counter(f for z in layout.values() for _, fqns in z.buckets for f in fqns)
     assert sharded and set(sharded.values()) == {1}  # each sharded parameter in one bucket
     for z in layout.values():
@@ -124,7 +124,7 @@ def test_random_zero_pipeline_plans_verify(stages: int, m: int, kind: str, zero:
 def test_tied_gpt_zero_plan_keeps_the_tied_weight_whole(zero: int) -> None:
     check_zero_plan("gpt", 2, 4, "1f1b", zero, 0.002, 1)
     dag, _ = _plan("gpt", 2, 4, "1f1b", zero, 0.002, 1)
-    layout = dag.meta["zero"].values()
+    layout = dag.meta.zero.values()
     assert any("wte.weight" in z.whole for z in layout)  # in the group that finishes its gradient
     assert not any("wte.weight" in fqns for z in layout for _, fqns in z.buckets)
 
@@ -133,7 +133,7 @@ def test_forward_only_zero3_plan_gathers_with_the_training_layout() -> None:
     dag, programs = _plan("mlp", 2, 2, "1f1b", 3, 0.0005, 1)
     fdag, fprograms = _plan("mlp", 2, 2, "1f1b", 3, 0.0005, 1, forward_only=True)
     verify_programs(fprograms)
-    assert {g: z.buckets for g, z in dag.meta["zero"].items()} == {g: z.buckets for g, z in fdag.meta["zero"].items()}
+    assert {g: z.buckets for g, z in dag.meta.zero.items()} == {g: z.buckets for g, z in fdag.meta.zero.items()}
     assert any(i.node.kind is Kind.ALL_GATHER for i in fprograms[0].instrs)
 
 
@@ -159,7 +159,7 @@ def test_zero3_steps_read_one_bucket_each(bucket_mb: float) -> None:
     from piper_compile.ir.dag import param_fqn
 
     dag, programs = _plan("gpt", 1, 2, "1f1b", 3, bucket_mb, 1)
-    bucket_of = {f: b for z in dag.meta["zero"].values() for b, fqns in z.buckets for f in fqns}
+    bucket_of = {f: b for z in dag.meta.zero.values() for b, fqns in z.buckets for f in fqns}
     for ins in programs[0].instrs:
         if ins.node.kind is Kind.COMPUTE:
             read = {bucket_of[param_fqn(v)] for v in ins.node.inputs if v.startswith("param:") and "#" in v

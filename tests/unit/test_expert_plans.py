@@ -8,6 +8,7 @@ import torch
 import piper_compile as piper
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind
+from piper_compile.ir.meta import ExpertShard
 from piper_compile.ir.ops import ExpertA2A, ExpertCounts, GradReduce, Segment
 from piper_compile.sim.simulate import simulate_plan
 from piper_compile.testing.models import build_model
@@ -39,7 +40,7 @@ def test_ep_chain_per_microbatch_and_no_reduction_of_expert_shards():
     assert "moe.router.weight" in reduced and "inp.weight" in reduced
     upd = p.dag.of_kind(Kind.UPDATE)[0]
     assert set(upd.op.ep_params) == {"moe.w_gate", "moe.w_up", "moe.w_down"}
-    assert p.dag.meta["ep_params"]["moe.w_gate"] == ((0, 1), 4, "ep")
+    assert p.dag.meta.ep_params["moe.w_gate"] == ExpertShard((0, 1), 4, "ep")
     text = p.programs[0].to_text()
     assert "dispatch" in text and "combine" in text
 

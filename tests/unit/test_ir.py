@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, format_tags, make_tags, parse_dag, parse_node
+from piper_compile.ir.meta import DagMeta, ExpertShard, TensorParallelSpec, ZeroGroup
 from piper_compile.ir.ops import (OPS, ExpertA2A, ExpertCounts, ExpertStep, GradReduce, LossReduce, NormReduce,
                                   ParamGather, Recv, Segment, Send, SequenceChunk, TpCollective, Update)
 
@@ -310,3 +311,27 @@ def test_node_helpers() -> None:
     assert n.with_op(label="7").short() == "F7.mb3" and n.op.label == "1"
     assert n.with_(stream="x").stream == "x" and n.stream == "compute"
     assert Node("SEND.v>r1", Send("v>r1", (1,)), devices=(0,)).short(peer=1) == "SEND.v->r1"
+
+
+def test_dag_meta_round_trips_with_the_text_form() -> None:
+    """Every field of the step's layout record prints with the DAG and parses back equal."""
+    dag = _all_kinds_dag()
+    dag.meta = DagMeta(split=4, mb_tag="mb", split_by=2, order_by={("F.PP0.mb0", "SEND.tanh@mb0>r1"): 3},
+                       tp=TensorParallelSpec(5, ((0, 1), (2, 3)), "tp"), tp_size=2,
+                       ep_params={"moe.w_up": ExpertShard((0, 1), 4, "ep")}, loss_group=(1,),
+                       zero={(0, 1): ZeroGroup((0, 1), 3, "dp_gather", 2, True, [("r0_1.b0", ("a.weight", "a.bias"))],
+                                              ["tied.weight"], ((0,), (1,)))})
+    back = parse_dag(dag.to_text())
+    assert back.meta == dag.meta
+    assert back.to_text() == dag.to_text()
+    assert dag.to_text().splitlines()[0].startswith("META {")
+
+
+def test_fresh_meta_is_not_printed_and_a_copy_is_independent() -> None:
+    dag = _all_kinds_dag()
+    assert not dag.to_text().startswith("META")
+    assert parse_dag(dag.to_text()).meta == DagMeta()
+    copy = dag.copy()
+    copy.meta.order_by[("a", "b")] = 1
+    copy.meta.zero = {}
+    assert dag.meta.order_by == {} and dag.meta.zero is None

@@ -120,7 +120,7 @@ def test_tp_zero1_shards_within_each_data_parallel_subgroup():
 def test_tp_zero1_without_data_parallel_replicas_shards_nothing():
     """TP2 alone: every data-parallel subgroup is one rank, so zero=1 has no one to shard with."""
     p = _plan([piper.replicate(zero=1), piper.shard_tensor(TP)], optimizer=torch.optim.AdamW)
-    assert not p.dag.of_kind(Kind.ALL_GATHER) and not p.dag.meta["zero"]
+    assert not p.dag.of_kind(Kind.ALL_GATHER) and not p.dag.meta.zero
     assert not next(iter(p.dag.of_kind(Kind.UPDATE))).op.shards
 
 
