@@ -161,6 +161,15 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
                                   f"world_size must be a whole number of ranks, at least 1; got {world_size!r}",
                                   "pass world_size=N, the number of processes the plan is for (for a pipeline "
                                   "of S stages replicated D times, S * D)")
+    cs = capture_step(model, *example_args, directives=directives, world_size=world_size, options=options)
+    return StaticPlan(*cs.build(forward_only), cs.segments)
+
+
+def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
+                 options: dict[str, Any] | None = None) -> CompiledStep:
+    """Capture ``model`` on ``example_args`` into a ``CompiledStep`` for ``world_size`` ranks: the joint
+    graph cut into segments, not yet planned (``plan`` builds on it; the golden pass tests run its
+    passes one by one). Leaves no Dynamo cache entry on the model's code."""
     captured: dict[str, Any] = {}
 
     def stash(gm: Any, example_inputs: list[Any], **_: Any) -> Any:
@@ -170,6 +179,5 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
 
     with _forward_of_its_own(model):
         torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*example_args)
-    cs = CompiledStep(captured["gm"], captured["inputs"], {**(options or {}), "directives": directives},
-                      world=(0, world_size), sources=captured["sources"])
-    return StaticPlan(*cs.build(forward_only), cs.segments)
+    return CompiledStep(captured["gm"], captured["inputs"], {**(options or {}), "directives": directives},
+                        world=(0, world_size), sources=captured["sources"])

@@ -169,6 +169,12 @@ class CompiledStep:
                            j.batch_size, forward_only, static_op, clip_grad_norm=self.options.clip_grad_norm,
                            tp_partial=self.tp_partial)
 
+    def initial_dag(self, forward_only: bool) -> tuple[TrainingDAG, PassContext]:
+        """The DAG the passes start from (one unplaced COMPUTE node per segment) and their context."""
+        if self.joint is None:
+            self._capture()
+        return build_dag(list(self.segments.values()), forward_only), self.context(forward_only)
+
     def build(self, forward_only: bool) -> tuple[TrainingDAG, list[Program]]:
         """The lowered DAG and every rank's verified program (no process group needed)."""
         bp = self.blueprint(forward_only)
@@ -179,8 +185,8 @@ class CompiledStep:
         if self.joint is None:
             self._capture()
         if forward_only not in self.blueprints:
-            ctx = self.context(forward_only)
-            dag = run_passes(build_dag(list(self.segments.values()), forward_only), self.options.directives, ctx)
+            dag, ctx = self.initial_dag(forward_only)
+            dag = run_passes(dag, self.options.directives, ctx)
             programs = build_programs(dag, self.world)
             verify_programs(programs)
             self.blueprints[forward_only] = Blueprint(dag, programs, fingerprint(dag.to_text()),

@@ -14,3 +14,8 @@ def _reset_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite tests/unit/golden/*.txt from the current passes (review the diff)")

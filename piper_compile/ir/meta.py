@@ -58,7 +58,7 @@ class DagMeta:
 
     split: int | None = None  # micro-batches per step
     mb_tag: str = "MB"  # the tag that numbers micro-batches
-    split_by: int | None = None  # index of the split directive (None: the implicit split(1))
+    split_by: int | None = None  # index of the split directive (-1: the implicit split(1))
     order_by: dict[tuple[str, str], int] = field(default_factory=dict)  # order edge -> the order directive's index
     tp: TensorParallelSpec | None = None
     tp_size: int = 1  # ranks per tensor-parallel group (1: no tensor parallelism)

@@ -34,18 +34,29 @@ def _run(name: str, fn: Callable[[], TrainingDAG], ctx: PassContext) -> Training
     return dag
 
 
-def run_passes(dag: TrainingDAG, directives: list[Directive], ctx: PassContext) -> TrainingDAG:
-    """Apply ``directives`` then lowering; returns the final, invariant-checked DAG."""
+Step = Callable[[TrainingDAG], TrainingDAG]
+
+
+def pass_steps(directives: list[Directive], ctx: PassContext) -> list[tuple[str, Step]]:
+    """The passes ``run_passes`` applies, in order, by name: the implicit ``split(implicit)`` when no
+    directive splits, one ``<directive>#<index>`` per directive, then the lowering passes not skipped with
+    ``PIPER_SKIP_PASSES``. Each step takes and returns a DAG, so any one of them runs on a DAG read
+    from text (the golden pass tests do)."""
     skip = set(filter(None, knob("PIPER_SKIP_PASSES").split(",")))
     ctx.directives = list(directives)
+    steps: list[tuple[str, Step]] = []
     if not any(isinstance(d, Split) for d in directives):
-        dag = _run("split(implicit)", lambda: DIRECTIVE_PASSES[Split](dag, Split(num_microbatches=1), ctx), ctx)
+        steps.append(("split(implicit)", lambda g: DIRECTIVE_PASSES[Split](g, Split(num_microbatches=1), ctx)))
     for d in directives:
         fn = DIRECTIVE_PASSES[type(d)]
-        dag = _run(f"{type(d).__name__.lower()}#{d.index}", lambda fn=fn, d=d, g=dag: fn(g, d, ctx), ctx)
-    for p in LOWERING_PASSES:
-        if p.__name__ in skip:
-            continue
-        dag = _run(p.__name__, lambda p=p, g=dag: p(g, ctx), ctx)
+        steps.append((f"{type(d).__name__.lower()}#{d.index}", lambda g, fn=fn, d=d: fn(g, d, ctx)))
+    steps += [(p.__name__, lambda g, p=p: p(g, ctx)) for p in LOWERING_PASSES if p.__name__ not in skip]
+    return steps
+
+
+def run_passes(dag: TrainingDAG, directives: list[Directive], ctx: PassContext) -> TrainingDAG:
+    """Apply ``directives`` then lowering; returns the final, invariant-checked DAG."""
+    for name, step in pass_steps(directives, ctx):
+        dag = _run(name, lambda step=step, g=dag: step(g), ctx)
     check_invariants(dag, ctx)
     return dag
