@@ -16,6 +16,7 @@ from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import PARAM_PREFIX as PARAM, Kind, Node, TrainingDAG, param_fqn
 from piper_compile.ir.meta import ZeroGroup
 from piper_compile.ir.ops import ParamGather
+from piper_compile.ir.order import schedule_order
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.tensor_parallel import dp_subgroups
 
@@ -100,7 +101,6 @@ def _sharding_ranks(n: Node) -> int:
 
 
 def _compute_order(dag: TrainingDAG) -> list[Node]:
-    from piper_compile.plan.program import schedule_order
 
     return [dag.nodes[name] for name in schedule_order(dag) if dag.nodes[name].kind is Kind.COMPUTE]
 

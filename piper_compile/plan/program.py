@@ -6,9 +6,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
-from piper_compile.ir.ops import ExpertStep, QueueKey, p2p_channel
+from piper_compile.ir.ops import QueueKey, p2p_channel
+from piper_compile.ir.order import schedule_order
 
-_PASS_RANK = {"F": 0, "BI": 1, "B": 1, "BW": 2}
 __all__ = ["Instr", "Program", "build_program", "build_programs", "p2p_channel", "schedule_order"]
 
 
@@ -75,35 +75,11 @@ def _peer(node: Node, rank: int) -> int | None:
     return peer(node, rank) if peer is not None else None
 
 
-def _priority(node: Node) -> tuple:
-    # Communication is issued as soon as it is ready; compute F before B (GPipe when nothing orders it).
-    # That includes the loss all-reduce (its own stream): issued after the last forward, it completes
-    # during the backward instead of adding a round trip after the update.
-    if node.kind.is_comm:
-        return (0, 0, 0, 0)
-    if node.kind is Kind.COMPUTE:
-        # Expert steps wait for an all-to-all: any other ready compute goes first (e.g. DualPipeV's B of
-        # one micro-batch while the F of another is being dispatched), so the exchange hides behind it.
-        waits = 1 if isinstance(node.op, ExpertStep) else 0
-        return (1, waits, _PASS_RANK.get(node.tag("PASS"), 0), node.attr("mb", 0))
-    return (2, 0, 0, 0)
-
-
-def _global_order(dag: TrainingDAG) -> list[str]:
-    """One topological order of the whole DAG (cross-rank dependencies included), cached on the DAG."""
-    return dag.cached("global_order", (len(dag.nodes), len(dag.order_edges)), lambda: dag.topo_order(key=_priority))
-
-
-def schedule_order(dag: TrainingDAG) -> list[str]:
-    """The order programs issue the DAG's nodes in (one global topological order)."""
-    return _global_order(dag)
-
-
 def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     """This rank's instructions: the global order restricted to the rank, with each RECV posted one
     compute step before its first consumer, and RECVs from one peer on one stream posted in the order
     that peer sends them (point-to-point messages of a rank pair match in order on NCCL and gloo)."""
-    glob = _global_order(dag)
+    glob = schedule_order(dag)
     gpos = {n: i for i, n in enumerate(glob)}
     order = [dag.nodes[n] for n in glob if rank in dag.nodes[n].devices and dag.nodes[n].kind is not Kind.RECV]
     preds = dag.predecessors()
