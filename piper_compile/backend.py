@@ -187,7 +187,7 @@ class CompiledStep:
         if forward_only not in self.blueprints:
             dag, ctx = self.initial_dag(forward_only)
             dag = run_passes(dag, self.options.directives, ctx)
-            programs = build_programs(dag, self.world)
+            programs = build_programs(dag, self.world, self.options.reorder_window)
             verify_programs(programs)
             self.blueprints[forward_only] = Blueprint(dag, programs, fingerprint(dag.to_text()),
                                                       call_layout(dag, self.world))
@@ -243,7 +243,7 @@ class CompiledStep:
         assert self.state is not None and self.joint is not None
         return Executor(program, self.joint, self.compiled, self.state, groups, dag.meta.split or 1,
                         dag.meta.loss_group, self.options.timeout_s, forward_only,
-                        self.options.overlap_streams, self.options.reorder_window)
+                        self.options.overlap_streams)
 
     def _shard_specs(self, dag: TrainingDAG) -> dict[str, tuple[ParamShard, tuple[int, ...], str, str]]:
         """Parameters split across ranks, with this rank's group: experts (``shard``) along the expert

@@ -29,7 +29,7 @@ class Options:
     clip_grad_norm: float | None = None
     remat: bool = True  # recompute cheap activations in the backward instead of keeping them (capture/remat.py)
     overlap_streams: bool = True  # CUDA: an overlap slot's two compute steps on two streams (runtime/executor.py)
-    reorder_window: int = 8  # gloo: compute steps ahead a waiting step may let run first (runtime/reorder.py)
+    reorder_window: int = 8  # gloo: compute steps ahead a waiting step may let run first (plan/reorder.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
 from piper_compile.ir.ops import QueueKey, p2p_channel
 from piper_compile.ir.order import schedule_order
+from piper_compile.plan.reorder import record_reorders
 
 __all__ = ["Instr", "Program", "build_program", "build_programs", "p2p_channel", "schedule_order"]
 
@@ -18,6 +19,8 @@ class Instr:
     peer: int | None = None  # SEND/RECV: the other rank
     waits: tuple[str, ...] = ()  # async instructions (node names) this one must wait for
     frees: tuple[str, ...] = ()  # values dropped after this instruction
+    partner: str | None = None  # the overlap partner that may run before this one (``plan/reorder.py``)
+    fillers: tuple[str, ...] = ()  # sink steps that may run while this one's input is in flight, nearest first
 
     @property
     def name(self) -> str:
@@ -46,6 +49,10 @@ class Instr:
     def short(self) -> str:
         return self.node.short(self.peer)
 
+    def slot(self, partner: "Instr | None") -> str:
+        """``F0.mb3|B1.mb2`` for an overlap slot (this step and its ``partner``), else ``short()``."""
+        return self.short() if partner is None else f"{self.short()}|{partner.short()}"
+
 
 @dataclass
 class Program:
@@ -56,13 +63,22 @@ class Program:
         """This rank's UPDATE (the optimizer step of its device group), if it trains anything."""
         return next((i.node for i in self.instrs if i.node.kind is Kind.UPDATE), None)
 
+    def positions(self) -> dict[str, int]:
+        """instruction name -> its position in the program."""
+        return {ins.name: k for k, ins in enumerate(self.instrs)}
+
     def to_text(self) -> str:
-        """``F1.mb3  SEND.x->r2  B1.mb2  AR.b0@dp  UPD`` -- one line per instruction with waits/frees."""
-        lines = [f"rank {self.rank}: " + "  ".join(i.short() for i in self.instrs)]
+        """``F1.mb3  SEND.x->r2  F0.mb3|B1.mb2  AR.b0@dp  UPD`` (``a|b``: an overlap slot, ``b`` may run
+        first) -- then one line per instruction with its waits, fillers and frees."""
+        at = self.positions()
+        slots = [i.slot(self.instrs[at[i.partner]] if i.partner else None) for i in self.instrs]
+        lines = [f"rank {self.rank}: " + "  ".join(slots)]
         for k, i in enumerate(self.instrs):
             extra = ""
             if i.waits:
                 extra += f"  wait[{', '.join(i.waits)}]"
+            if i.fillers:
+                extra += f"  fill[{', '.join(i.fillers)}]"
             if i.frees:
                 shown = ", ".join(i.frees[:4]) + (f", +{len(i.frees) - 4}" if len(i.frees) > 4 else "")
                 extra += f"  free[{shown}]"
@@ -112,8 +128,9 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     return order
 
 
-def build_program(dag: TrainingDAG, rank: int) -> Program:
-    """Instructions of ``rank`` in issue order, with waits on async predecessors and frees."""
+def build_program(dag: TrainingDAG, rank: int, reorder_window: int = 8) -> Program:
+    """Instructions of ``rank`` in issue order, with waits on async predecessors, frees, and the
+    reorderings the runtime may make (``plan/reorder.py``; fillers up to ``reorder_window`` ahead)."""
     order = _local_order(dag, rank)
     preds = dag.predecessors()
     async_names = {n.name for n in order if n.kind.is_comm}
@@ -131,8 +148,9 @@ def build_program(dag: TrainingDAG, rank: int) -> Program:
     for i, n in enumerate(order):
         waits = tuple(sorted(p for p in preds[n.name] if p in async_names))
         instrs.append(Instr(n, _peer(n, rank), waits, tuple(sorted(frees.get(i, ())))))
-    return Program(rank, instrs)
+    return record_reorders(Program(rank, instrs), reorder_window)
 
 
-def build_programs(dag: TrainingDAG, world_size: int) -> list[Program]:
-    return [build_program(dag, r) for r in range(world_size)]
+def build_programs(dag: TrainingDAG, world_size: int, reorder_window: int = 8) -> list[Program]:
+    """Every rank's program (``build_program``)."""
+    return [build_program(dag, r, reorder_window) for r in range(world_size)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind
+from piper_compile.plan.reorder import check_reorders
 from piper_compile.plan.program import Instr, Program
 
 
@@ -65,8 +66,11 @@ def format_grid(programs: list[Program], pcs: list[int], stuck: dict[int, str]) 
 
 
 def verify_programs(programs: list[Program]) -> VerifyResult:
-    """Raise ``PiperPlanError`` on an unmatched P2P, mis-ordered collectives or a deadlock."""
+    """Raise ``PiperPlanError`` on an unmatched P2P, mis-ordered collectives, a deadlock, or a recorded
+    reordering (overlap partner, filler) the runtime could not make safely (``plan/reorder.py``)."""
     _check_matching(programs)
+    for p in programs:
+        check_reorders(p)
     ranks = [p.rank for p in programs]
     pcs = [0] * len(programs)
     done: list[set[str]] = [set() for _ in programs]

@@ -22,7 +22,7 @@ from piper_compile.ir.ops import Local, NormReduce
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime.consistency import CallCheck
 from piper_compile.runtime.groups import GroupRegistry, describe_failure, settle
-from piper_compile.runtime.reorder import Fillers, needs, overlap_partners, still_read
+from piper_compile.plan.reorder import needs, still_read
 from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
 from piper_compile.runtime.step import Pending, Step, StepStats
 from piper_compile.runtime.trace import Recorder
@@ -64,7 +64,7 @@ class Executor:
     def __init__(self, program: Program, joint: JointGraph, segments: dict[str, Callable[[list[Any]], list[Any]]],
                  state: TrainState, groups: GroupRegistry | None, microbatches: int,
                  loss_group: tuple[int, ...], timeout_s: float, forward_only: bool,
-                 overlap_streams: bool = True, reorder_window: int = 8) -> None:
+                 overlap_streams: bool = True) -> None:
         self.program = program
         self.joint = joint
         self.segments = segments
@@ -87,13 +87,14 @@ class Executor:
         self.update = program.update_node()
         val = joint.gm.graph.find_nodes(op="output")[0].args[0][0].meta.get("val")
         self.loss_dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+        # the reorderings the plan recorded (plan/reorder.py): overlap partners, and -- where waits block
+        # the host (gloo) -- fillers, sink steps that run while a step's input is in flight
         self._needs = needs(program)
-        self._partner = overlap_partners(program, self._needs)
+        at = program.positions()
+        self._partner = {k: at[i.partner] for k, i in enumerate(program.instrs) if i.partner}
         self._side = side_stream_for(state.device, overlap_streams) if self._partner else None
-        # where waits block the host (gloo): later sink steps run while a step's input is in flight
-        fillers = Fillers(program, reorder_window, self._needs) if state.device.type != "cuda" and reorder_window \
-            else None
-        self._fillers = fillers if fillers is not None and fillers.sinks else None
+        self._fillers = {k: tuple(at[f] for f in i.fillers) for k, i in enumerate(program.instrs)
+                         if i.fillers} if state.device.type != "cuda" else {}
 
     def eval_sym(self, expr: Any, syms: dict[str, int]) -> int:
         """A SymInt expression at these symbol values (sympy once per expression and assignment)."""
@@ -156,13 +157,12 @@ class Executor:
 
     def _fill(self, step: Step, pos: int, ran_early: dict[int, bool]) -> None:
         """While step ``pos``'s input is in flight, run later independent sink steps (deferred weight
-        gradients) whose communication has completed (``reorder.Fillers``), nearest first, one at a time,
-        re-checking the wait in between."""
-        assert self._fillers is not None
+        gradients) the plan recorded for it (``Instr.fillers``) whose communication has completed, nearest
+        first, one at a time, re-checking the wait in between."""
         waits, pending = self.program.instrs[pos].waits, step.pending
         while self._blocked(waits, pending):
-            k = next((k for k in self._fillers.candidates(pos, ran_early)
-                      if not self._blocked(self._needs[k], pending)), None)
+            k = next((k for k in self._fillers[pos]
+                      if k not in ran_early and not self._blocked(self._needs[k], pending)), None)
             if k is None:
                 return
             self._run_early(step, pos, k, "host", ran_early)
@@ -275,7 +275,7 @@ class Executor:
         if how is not None:  # e.g. DualPipeV's B of one micro-batch while F's activation arrives
             self._run_early(step, pos, j, how, ran_early)
             self.stats.reordered += 1
-        if self._fillers is not None and n.kind is Kind.COMPUTE and ins.waits:
+        if pos in self._fillers:
             self._fill(step, pos, ran_early)
         for w in ins.waits:
             tw = self.rec.now()

@@ -118,41 +118,10 @@ def test_invalid_counts_raise(kind: str, stages: object, microbatches: object) -
 
 
 
-def test_overlap_partners_of_a_dualpipe_v_program() -> None:
-    """The runtime may run the second step of a DualPipeV overlap slot first when the first one's input
-    is late: partners exist, are independent, and never both accumulate gradients (numerics unchanged)."""
+def _plan(kind: str, **options: object):
     import torch
 
     import piper_compile as piper
-    from piper_compile.runtime.executor import overlap_partners
-    from piper_compile.testing.models import build_model
-
-    model = build_model("mlp", dim=8, depth=4)
-    model.annotate_stages(4)
-    batch = model.make_batch(8, torch.Generator().manual_seed(0))
-    plan = piper.plan(model, *batch, directives=[piper.split(4), *piper.schedules.dualpipe_v(2, 4)], world_size=2)
-    for prog in plan.programs:
-        partners = overlap_partners(prog)
-        assert partners, prog.to_text()
-        for a, b in partners.items():
-            i, j = prog.instrs[a], prog.instrs[b]
-            assert not (set(i.node.outputs) & set(j.node.inputs))
-            assert not (i.node.op.grad_outputs() and j.node.op.grad_outputs())
-
-
-@pytest.mark.parametrize("kind", ["zbv", "zb_h1", "dualpipe_v"])
-def test_reorder_window_candidates_are_independent(kind: str) -> None:
-    """Every filler the runtime may run while step ``pos`` waits is a sink (its results only accumulate
-    into gradients or the loss), reads nothing produced by ``pos`` or the
-    instructions it jumps, adds into no gradient they add into, needs only communication issued before
-    ``pos`` (its own waits and the producers of its inputs, even where an earlier consumer holds the
-    wait), and jumps only compute, activation traffic, all-to-alls and per-use gathers. DualPipeV (no
-    split backward) is here for the ``needs`` checks."""
-    import torch
-
-    import piper_compile as piper
-    from piper_compile.ir.dag import Kind
-    from piper_compile.runtime.reorder import Fillers, accumulates, needs
     from piper_compile.testing.models import build_model
 
     model = build_model("mlp", dim=8, depth=4)
@@ -160,21 +129,51 @@ def test_reorder_window_candidates_are_independent(kind: str) -> None:
     batch = model.make_batch(8, torch.Generator().manual_seed(0))
     sched = {"zbv": lambda: piper.schedules.zbv(2, 4), "dualpipe_v": lambda: piper.schedules.dualpipe_v(2, 4),
              "zb_h1": lambda: [*piper.pipeline(2), *piper.schedules.zb_h1(2, 4)]}[kind]()
-    plan = piper.plan(model, *batch, directives=[piper.split(4), *sched], world_size=2)
-    fillers_found: list[str] = []
+    return piper.plan(model, *batch, directives=[piper.split(4), *sched], world_size=2, options=options)
+
+
+def test_overlap_partners_of_a_dualpipe_v_program() -> None:
+    """The plan records the second step of a DualPipeV overlap slot as the first one's partner (the
+    runtime may run it first when the first one's input is late): partners exist, are shown as a slot
+    in the program's text, are independent, and never both accumulate gradients (numerics unchanged)."""
+    plan = _plan("dualpipe_v")
     for prog in plan.programs:
+        at = prog.positions()
+        partners = {k: at[i.partner] for k, i in enumerate(prog.instrs) if i.partner}
+        assert partners, prog.to_text()
+        for a, b in partners.items():
+            i, j = prog.instrs[a], prog.instrs[b]
+            assert f"{i.short()}|{j.short()}" in prog.to_text().splitlines()[0]
+            assert not (set(i.node.outputs) & set(j.node.inputs))
+            assert not (i.node.op.grad_outputs() and j.node.op.grad_outputs())
+
+
+@pytest.mark.parametrize("kind", ["zbv", "zb_h1", "dualpipe_v"])
+def test_reorder_window_candidates_are_independent(kind: str) -> None:
+    """Every filler the plan records for a step ``pos`` (run while it waits) is a sink (its results only
+    accumulate into gradients or the loss), reads nothing produced by ``pos`` or the
+    instructions it jumps, adds into no gradient they add into, needs only communication issued before
+    ``pos`` (its own waits and the producers of its inputs, even where an earlier consumer holds the
+    wait), and jumps only compute, activation traffic, all-to-alls and per-use gathers. DualPipeV (no
+    split backward) is here for the ``needs`` checks."""
+    from piper_compile.ir.dag import Kind
+    from piper_compile.plan.reorder import accumulates, needs
+
+    plan, narrow = _plan(kind), _plan(kind, reorder_window=1)
+    fillers_found: list[str] = []
+    for prog, prog1 in zip(plan.programs, narrow.programs):
         instrs = prog.instrs
         need = needs(prog)
         source = {v: i.name for i in instrs if i.is_async for v in i.node.outputs}
-        at = {i.name: k for k, i in enumerate(instrs)}
-        fillers = Fillers(prog, 8, need)
+        at = prog.positions()
         for k, n in need.items():
             assert set(instrs[k].waits) <= set(n)
             assert {source[v] for v in instrs[k].node.inputs if v in source} <= set(n)
         for pos, ins in enumerate(instrs):
             if ins.node.kind is not Kind.COMPUTE or not ins.waits:
+                assert not ins.fillers
                 continue
-            for k in fillers.candidates(pos, set()):
+            for k in map(at.get, ins.fillers):
                 assert k > pos and instrs[k].node.kind is Kind.COMPUTE
                 assert accumulates(instrs[k]) and not set(instrs[k].node.outputs) & {  # a sink
                     v for i in instrs for v in i.node.inputs}
@@ -184,9 +183,37 @@ def test_reorder_window_candidates_are_independent(kind: str) -> None:
                 assert all(at[w] < pos for w in need[k])
                 assert all(i.node.kind in (Kind.COMPUTE, Kind.SEND, Kind.RECV) for i in between[1:])
                 fillers_found.append(instrs[k].node.name)
-            computes_after = [k for k in range(pos + 1, len(instrs)) if instrs[k].node.kind is Kind.COMPUTE]
-            assert set(Fillers(prog, 1, need).candidates(pos, set())) <= set(computes_after[:1])  # the window
+                assert instrs[k].node.name in prog.to_text()
+            computes_after = [instrs[k].name for k in range(pos + 1, len(instrs)) if instrs[k].node.kind is Kind.COMPUTE]
+            assert set(prog1.instrs[pos].fillers) <= set(computes_after[:1])  # the window
+    assert not any(i.fillers for p in _plan(kind, reorder_window=0).programs for i in p.instrs)
     if kind == "zbv":  # a deferred weight-gradient step of the other stage can fill a wait
         assert any("BW" in name for name in fillers_found), fillers_found
     if kind == "zb_h1":  # one stage per rank: its weight-gradient steps all add into the same weights
         assert fillers_found == []
+
+
+def test_verifier_rejects_a_recorded_reordering_that_would_deadlock() -> None:
+    """A program whose recorded filler (or partner) needs communication the rank issues only after the
+    step it would jump: run there it would wait forever. The verifier refuses it, naming both steps."""
+    import dataclasses
+
+    from piper_compile.errors import PiperPlanError
+    from piper_compile.plan.reorder import needs
+    from piper_compile.plan.verifier import verify_programs
+
+    plan = _plan("zbv")
+    verify_programs(plan.programs)  # as planned: fine
+    prog = plan.programs[0]
+    need = needs(prog)
+    at = prog.positions()
+    # a compute step that waits, and a later compute step needing communication issued after it
+    pos, late = next((p, k) for p in need for k in need if k > p and prog.instrs[p].waits
+                     and any(at[w] > p for w in need[k]))
+    for how in ("fillers", "partner"):
+        bad = dataclasses.replace(prog, instrs=list(prog.instrs))
+        value = (prog.instrs[late].name,) if how == "fillers" else prog.instrs[late].name
+        bad.instrs[pos] = dataclasses.replace(prog.instrs[pos], **{how: value})
+        with pytest.raises(PiperPlanError, match="would wait forever \\(deadlock\\)") as e:
+            verify_programs([bad, *plan.programs[1:]])
+        assert prog.instrs[late].name in str(e.value) and prog.instrs[pos].short() in str(e.value)
