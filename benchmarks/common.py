@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from piper_compile.knobs import knob
-from piper_compile.runtime.state import build_optimizer
+from piper_compile.runtime.optimizer import build_optimizer
 from piper_compile.testing.models import GPT, GPTConfig
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from piper_compile.runtime.state import LocalShard
+from piper_compile.runtime.shards import LocalShard
 from piper_compile.checkpoint.pieces import ShardPieces
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from piper_compile.errors import PiperError
-from piper_compile.runtime.state import LocalShard
+from piper_compile.runtime.shards import LocalShard
 from piper_compile.runtime.zero import ShardBucket
 
 

@@ -23,7 +23,9 @@ from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime.consistency import CallCheck
 from piper_compile.runtime.groups import GroupRegistry, describe_failure, settle
 from piper_compile.plan.reorder import needs, still_read
-from piper_compile.runtime.state import GradBuffers, TrainState, keep_host_heap
+from piper_compile.runtime.grads import GradBuffers
+from piper_compile.runtime.host_heap import keep_host_heap
+from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.step import Pending, Step, StepStats
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import tensor_bytes as _nbytes

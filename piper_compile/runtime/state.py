@@ -1,109 +1,22 @@
-"""Training state shared by every compiled variant of one model (train step, forward-only step):
-the optimizer, gradient storage (flat per bucket; each parameter's gradient is a view of it) and
-the one-time broadcast of rank 0's weights."""
+"""Training state shared by every compiled variant of one model (train step, forward-only step): its
+parameters and their layout (ZeRO shards, expert / tensor-parallel pieces, released stages), the
+optimizer and its update rule (clipping by the global norm), and the one-time broadcast of rank 0's
+weights. Gradient storage is ``runtime/grads.py``; a parameter piece ``runtime/shards.py``."""
 from __future__ import annotations
 
-import ctypes
-import functools
-import platform
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from piper_compile.capture.joint import JointGraph
 from piper_compile.errors import PiperError
-from piper_compile.ir.dag import Kind
-from piper_compile.ir.ops import GradReduce, Recv, Send, Update
+from piper_compile.ir.ops import Update
 from piper_compile.ir.shard import ParamShard
-from piper_compile.plan.program import Program
+from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
+from piper_compile.runtime.shards import LocalShard
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
-from piper_compile.knobs import knob
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-@functools.cache
-def keep_host_heap(mmap_bytes: int = 32 << 20, trim_bytes: int = 64 << 20) -> bool:
-    """CPU training: stop glibc malloc from handing freed heap memory back to the OS between steps.
-
-    PyTorch's CPU allocator is plain ``malloc``. With glibc's default, adaptive thresholds the heap is
-    trimmed whenever more than ~2x the largest block freed so far lies free at its top, which a step's
-    end (every activation released) easily passes: the next step then faults every page back in (on
-    a 2-layer MoE GPT, 4-7k page faults, several ms of kernel time per step). The thresholds set here
-    are the ones glibc's own adaptation reaches once a 32 MiB block has been freed (blocks of up to
-    32 MiB come from the heap, up to 64 MiB of free heap is kept). Once per process; glibc only;
-    ``PIPER_KEEP_HEAP=0`` leaves malloc alone. Returns whether the thresholds were set."""
-    if not knob("PIPER_KEEP_HEAP") or platform.system() != "Linux" \
-            or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-        return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
-    except (OSError, AttributeError):
-        return False
-
-
-@dataclass
-class LocalShard:
-    """This rank's piece of a parameter split across ``group`` (``kind``: "ep" experts, "tp" tensor parallel)."""
-
-    param: nn.Parameter
-    spec: ParamShard
-    rank: int  # position in the sorted group
-    group: tuple[int, ...]
-    stream: str  # the process group's stream (gathers run there)
-    kind: str
-
-    @property
-    def rows(self) -> slice | None:
-        """The slice of dim 0 of the full parameter this piece is, when it is one (experts)."""
-        n = self.param.shape[0]
-        return slice(self.rank * n, (self.rank + 1) * n) if self.spec.dim == 0 and self.spec.parts == 1 else None
-
-    @property
-    def full_shape(self) -> tuple[int, ...]:
-        """The shape of the whole parameter this is a piece of."""
-        shape = list(self.param.shape)
-        shape[self.spec.dim] *= self.spec.size
-        return tuple(shape)
-
-    def boxes(self, t: torch.Tensor) -> list[tuple[torch.Size, torch.Tensor]]:
-        """``t`` (the piece or a tensor of its shape, e.g. its optimizer state) as boxes of the full
-        tensor: (offsets in it, a view of ``t``); one per fused block (``colwise:N``: N)."""
-        return self.place((0,) * t.dim(), t)
-
-    def place(self, offsets: tuple[int, ...], view: torch.Tensor) -> list[tuple[torch.Size, torch.Tensor]]:
-        """A box of the piece (``offsets`` in the piece, ``view`` its contents) as boxes of the full
-        tensor, cut where it crosses from one fused block into the next (ZeRO-1 shards the flat piece)."""
-        d = self.spec.dim
-        lo, hi = offsets[d], offsets[d] + view.shape[d]
-        out = []
-        for off, start, n in self.spec.boxes(self.full_shape, self.rank):
-            a, b = max(lo, start), min(hi, start + n)
-            if a < b:
-                at = list(offsets)
-                at[d] = off[d] + a - start
-                out.append((torch.Size(at), view.narrow(d, a - lo, b - a)))
-        return out
-
-    def put(self, full: torch.Tensor) -> None:
-        """Write this rank's piece into its place in ``full`` (a tensor of the full shape)."""
-        d = self.spec.dim
-        for off, view in self.boxes(self.param.detach()):
-            full.narrow(d, off[d], view.shape[d]).copy_(view)
-
-    def gather(self, groups: Any) -> torch.Tensor:
-        """The full parameter from every rank's piece (collective over ``group``)."""
-        local = self.param.detach().contiguous()
-        if len(self.group) == 1:
-            return local.clone()
-        parts = [torch.empty_like(local) for _ in self.group]
-        dist.all_gather(parts, local, group=groups.get(self.stream, self.group))
-        return self.spec.assemble(parts)
 
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -111,146 +24,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # Called by ready() once per TrainState, at the first call that finds it sharded (ZeRO), with the state
 # and the calling CompiledStep (piper_compile.checkpoint installs the module's state_dict hooks here).
 ON_SHARDED: list[Callable[["TrainState", Any], None]] = []
-
-
-class GradBuffers:
-    """Per-rank gradient storage: one flat tensor per reduction bucket (padded to a multiple of the group
-    for ZeRO buckets), one tensor per other gradient. Reduce-scattered buckets (ZeRO-2/3) are allocated at
-    their first gradient in a step and released once reduce-scattered.
-
-    Buffers are not cleared between steps: ``zero_()`` only marks every gradient *fresh*, and the first
-    write of a step overwrites a fresh gradient (``accumulate`` copies, ``claim`` tells an in-place writer
-    to overwrite) instead of adding to zeros. Every read (``view``, ``bucket``) first zeroes the fresh
-    gradients it covers (a parameter that got no gradient this step), so readers always see the sum."""
-
-    def __init__(self, params: dict[str, nn.Parameter], buckets: dict[str, tuple[list[str], int, bool]],
-                 others: list[str]) -> None:
-        self.params = params
-        self.flat: dict[str, torch.Tensor] = {}
-        self.views: dict[str, torch.Tensor] = {}
-        self.members: dict[str, list[str]] = {}  # flat tensor name -> the gradients it holds
-        self.fresh: set[str] = set()  # gradients not written yet this step (stale contents)
-        self.lazy: dict[str, tuple[list[str], int]] = {}
-        self.lazy_of: dict[str, str] = {}
-        for name, (fqns, padded, lazy) in buckets.items():
-            if lazy:
-                self.lazy[name] = (fqns, padded)
-                self.lazy_of.update({f: name for f in fqns})
-            else:
-                self._allocate(name, fqns, padded)
-        for f in others:
-            if f not in self.views and f not in self.lazy_of:
-                self.views[f] = torch.zeros_like(params[f], memory_format=torch.contiguous_format)
-                self.flat[f"grad:{f}"] = self.views[f]
-                self.members[f"grad:{f}"] = [f]
-
-    def _allocate(self, name: str, fqns: list[str], padded: int) -> torch.Tensor:
-        """The flat buffer of bucket ``name``, its gradients fresh (the padding, read by collectives, zero)."""
-        p0 = self.params[fqns[0]]
-        total = sum(self.params[f].numel() for f in fqns)
-        flat = torch.empty(max(total, padded), dtype=p0.dtype, device=p0.device)
-        flat[total:].zero_()
-        off = 0
-        for f in fqns:
-            n = self.params[f].numel()
-            self.views[f] = flat[off : off + n].view(self.params[f].shape)
-            off += n
-        self.flat[name] = flat
-        self.members[name] = list(fqns)
-        self.fresh.update(fqns)
-        return flat
-
-    @classmethod
-    def for_program(cls, program: Program, joint: JointGraph,
-                    local: dict[str, nn.Parameter] | None = None) -> "GradBuffers":
-        params = {**joint.params, **(local or {})}  # this rank's pieces of tensor/expert-parallel weights
-        buckets: dict[str, tuple[list[str], int, bool]] = {}
-        others: list[str] = []
-        for ins in program.instrs:
-            n = ins.node
-            op = n.op
-            if isinstance(op, GradReduce):
-                fqns = list(op.params)
-                total = sum(params[f].numel() for f in fqns)
-                # padded like the ZeRO shard bucket: to a multiple of the ranks sharding it (under tensor
-                # parallelism this rank's data-parallel subgroup)
-                size = len(op.members(n, program.rank))
-                padded = -(-total // size) * size if op.level else total
-                buckets[op.bucket] = (fqns, padded, op.scatter)
-            elif n.kind is Kind.COMPUTE:
-                others += [fqn for _, fqn in op.grad_outputs()]
-            elif isinstance(op, (Send, Recv)) and op.state:
-                others.append(op.state)
-            elif isinstance(op, Update):
-                others += list(op.params)
-        return cls(params, buckets, others)
-
-    def zero_(self) -> None:
-        """Start a step: every gradient counts as zero (lazily: see the class docstring)."""
-        for name in self.lazy:
-            self.release(name)
-        self.fresh = set(self.views)
-
-    def release(self, name: str) -> None:
-        """Drop a reduce-scattered bucket's full buffer (its shard lives on in the ZeRO state)."""
-        if self.flat.pop(name, None) is not None:
-            for f in self.members.pop(name):
-                self.views.pop(f, None)
-                self.fresh.discard(f)
-
-    def _settle(self, fqn: str) -> None:
-        if fqn in self.fresh:
-            self.fresh.discard(fqn)
-            self.views[fqn].zero_()
-
-    def _writable(self, fqn: str) -> torch.Tensor:
-        """The gradient tensor of ``fqn`` (allocating a released bucket), not settled."""
-        v = self.views.get(fqn)
-        if v is None:
-            self._allocate(self.lazy_of[fqn], *self.lazy[self.lazy_of[fqn]])
-            v = self.views[fqn]
-        return v
-
-    def accumulate(self, fqn: str, grad: torch.Tensor) -> None:
-        """Add ``grad`` into the gradient of ``fqn`` (the step's first write copies it)."""
-        v = self._writable(fqn)
-        if fqn in self.fresh:
-            self.fresh.discard(fqn)
-            v.copy_(grad)
-        else:
-            v.add_(grad)
-
-    def claim(self, fqns: Iterable[str]) -> tuple[tuple[torch.Tensor, ...], bool]:
-        """The gradient tensors of ``fqns`` for a writer that adds into them in place, and whether it must
-        overwrite them instead (each was fresh: its first write of the step)."""
-        fqns = list(fqns)
-        for f in fqns:
-            self._writable(f)
-        overwrite = all(f in self.fresh for f in fqns)
-        for f in fqns:
-            if overwrite:
-                self.fresh.discard(f)
-            else:
-                self._settle(f)
-        return tuple(self.views[f] for f in fqns), overwrite
-
-    def view(self, fqn: str) -> torch.Tensor:
-        """The gradient of ``fqn`` so far this step (zeroed if nothing wrote it yet)."""
-        self._settle(fqn)
-        return self.views[fqn]
-
-    def bucket(self, name: str) -> torch.Tensor:
-        """The flat buffer of bucket ``name`` (allocated if released), every gradient in it settled."""
-        flat = self.flat.get(name)
-        if flat is None:
-            flat = self._allocate(name, *self.lazy[name])
-        for f in self.members[name]:
-            self._settle(f)
-        return flat
-
-    def nbytes(self) -> int:
-        """Bytes of gradient buffers held now (between steps: the persistent ones)."""
-        return sum(t.numel() * t.element_size() for t in self.flat.values())
 
 
 class TrainState:

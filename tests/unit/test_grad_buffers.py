@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from piper_compile.nn.experts import grouped_swiglu_backward
-from piper_compile.runtime.state import GradBuffers
+from piper_compile.runtime.grads import GradBuffers
 
 
 def _params() -> dict[str, nn.Parameter]:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from piper_compile.runtime.state import keep_host_heap
+from piper_compile.runtime.host_heap import keep_host_heap
 
-_PROBE = "from piper_compile.runtime.state import keep_host_heap as k; print(k(), k())"
+_PROBE = "from piper_compile.runtime.host_heap import keep_host_heap as k; print(k(), k())"
 
 
 def _probe(**env: str) -> str:
