@@ -132,6 +132,13 @@ class CompiledStep:
             self.tp_partial = split_sequence(self.gm, self.sources, d.seq_dim, size)
         return local_fakes(self.gm, shapes)
 
+    def _bucket_bytes(self, region: Any) -> float | None:
+        """The gradient bucket size of a region: the smallest ``bucket_size`` of the ``replicate``
+        directives that match it (of all of them for a region none matches; None: no replicate)."""
+        reps = [d for d in self.options.directives if isinstance(d, Replicate)]
+        caps = [d.bucket_size for d in reps if filter_matches(d.filter, dict(region))] or [d.bucket_size for d in reps]
+        return min(caps) * 2**20 if caps else None
+
     def _capture(self) -> None:
         fakes = self._tensor_parallel()
         try:
@@ -143,8 +150,6 @@ class CompiledStep:
                              "layers, after capture/tp_shapes.py fitted its view/reshape/expand/split sizes to the "
                              "local shapes; an op it does not check failed on them: write -1 for a split dimension "
                              "(view(b, t, -1, head_dim)) and split fused outputs with chunk()") from e
-        caps = [d.bucket_size for d in self.options.directives if isinstance(d, Replicate)]
-        bucket_bytes = min(caps) * 2**20 if caps else None
         split = split_backward_filters(self.options.directives)
         zero3 = [d.filter for d in self.options.directives if isinstance(d, Replicate) and d.zero >= 3]
 
@@ -154,7 +159,7 @@ class CompiledStep:
         def chunk_fw(region: Any) -> bool:
             return any(filter_matches(f, dict(region)) for f in zero3)
 
-        self.segments = {s.name: s for s in extract_segments(self.joint, bucket_bytes, split_bw if split else None,
+        self.segments = {s.name: s for s in extract_segments(self.joint, self._bucket_bytes, split_bw if split else None,
                                                              chunk_fw if zero3 else None, self.options.remat)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.steps.append(self)

@@ -318,12 +318,16 @@ def split_backward(nodes: list[fx.Node], joint: JointGraph, out_node: fx.Node) -
     return [n for n in nodes if n.name in bi], [n for n in nodes if n.name not in bi]
 
 
-def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
+BucketBytes = float | Callable[[Region], float | None] | None
+
+
+def extract_segments(joint: JointGraph, bucket_bytes: BucketBytes = None,
                      split_bw: Callable[[Region], bool] | None = None,
                      chunk_fw: Callable[[Region], bool] | None = None, remat: bool = True) -> list[Segment]:
     """Cut the joint graph into segments: one per region and pass; the backward of regions for which
     ``split_bw`` holds is cut into BI and BW; backward (or BW) segments are further cut into
-    bucket-sized chunks when ``bucket_bytes`` is given, and so are the forward segments of regions for
+    bucket-sized chunks when ``bucket_bytes`` is given (one size, or a region's own: its ``replicate``
+    directive's ``bucket_size``), and so are the forward segments of regions for
     which ``chunk_fw`` holds (ZeRO-3). Parameter-only values are recomputed by each segment that reads
     them, and with ``remat`` so are cheap activations the backward can rebuild from what it keeps
     anyway (``capture/remat.py``). Checks the segment graph is acyclic."""
@@ -336,7 +340,7 @@ def extract_segments(joint: JointGraph, bucket_bytes: float | None = None,
             raise first from None  # the default rule's message names the regions as the user tagged them
 
 
-def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[Region], bool] | None,
+def _extract(joint: JointGraph, bucket_bytes: BucketBytes, split_bw: Callable[[Region], bool] | None,
              chunk_fw: Callable[[Region], bool] | None, remat: bool, defer_forward_only: bool) -> list[Segment]:
     gm = joint.gm
     region, passes = assign_regions(gm, defer_forward_only)
@@ -357,8 +361,9 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
     bucket_of: dict[str, Any] = {}  # param value -> its gradient bucket (backward chunk)
     for (pass_, reg), ps in parts.items():  # backward first: forward chunks follow its buckets
         for part_pass, part in ps:
-            if part_pass in ("B", "BW") and bucket_bytes:
-                chunks = _chunk_backward(part, joint, bucket_bytes)
+            cap = bucket_bytes(reg) if callable(bucket_bytes) else bucket_bytes
+            if part_pass in ("B", "BW") and cap:
+                chunks = _chunk_backward(part, joint, cap)
                 if chunk_fw is not None and chunk_fw(reg):  # ZeRO-3: each backward piece reads one bucket
                     coarse = _buckets_of(chunks, joint, reg)
                     chunks = [piece for c in chunks for piece in _cut_at_bucket_reads(c, joint, coarse, derived)]
@@ -370,7 +375,7 @@ def _extract(joint: JointGraph, bucket_bytes: float | None, split_bw: Callable[[
         for part_pass, part in ps:
             if (part_pass, reg) in chunked:
                 chunks = chunked[(part_pass, reg)]
-            elif part_pass == "F" and bucket_bytes and chunk_fw is not None and chunk_fw(reg):
+            elif part_pass == "F" and chunk_fw is not None and chunk_fw(reg) and bucket_of:
                 chunks = _cut_at_bucket_reads(part, joint, bucket_of, derived)
             else:
                 chunks = [part]

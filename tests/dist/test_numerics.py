@@ -54,6 +54,16 @@ def test_pp2_x_dp2_gpt_1f1b():
     run_parity(cfg, 4)
 
 
+def test_pp2_x_dp2_per_stage_bucket_sizes():
+    """Each stage's replicate directive sets its own gradient bucket size (stage 0 several buckets, stage 1
+    one); training still matches eager exactly."""
+    cfg = RunConfig(model="gpt", stages=2, local_batch=4,
+                    directives=[*_pp(2, 2, "1f1b", ranks=[[0, 2], [1, 3]]), piper.replicate({"PP": 0}, bucket_mb=0.001),
+                                piper.replicate({"PP": 1}, bucket_mb=100)])
+    res = run_parity(cfg, 4)
+    assert res[0]["collectives"]["grad"] > res[1]["collectives"]["grad"] >= 1, (res[0]["collectives"], res[1]["collectives"])
+
+
 def test_pp2_user_optimizer_without_piper_optimizer():
     cfg = RunConfig(model="skip", stages=2, directives=_pp(2, 2, "1f1b"), user_optimizer=True)
     run_parity(cfg, 2)

@@ -299,3 +299,23 @@ def test_reduce_per_microbatch_needs_sharded_gradients() -> None:
     assert "needs zero >= 2" in _error({"op": "replicate", "filter": {}, "zero": 1, "reduce_per_microbatch": True})
     (d,) = parse_directives([piper.replicate(zero=3, reduce_per_microbatch=True)])
     assert d.reduce_per_microbatch and d.zero == 3
+
+
+def test_bucket_size_is_per_replicate_directive() -> None:
+    """Each replicate directive's bucket_size cuts the backward of the regions it matches: a tiny bucket
+    on stage 0 gives it several gradient all-reduces while stage 1's large bucket keeps one (before,
+    the smallest bucket_size of all directives applied to every region)."""
+    import torch
+
+    from piper_compile.ir.ops import GradReduce
+    from piper_compile.testing.models import build_model
+
+    model = build_model("gpt", layers=2, dim=16, heads=2, seq=8)
+    model.annotate_stages(2)
+    batch = model.make_batch(4, torch.Generator().manual_seed(0))
+    directives = [*piper.pipeline(2, ranks=[[0, 2], [1, 3]]), piper.replicate({"PP": 0}, bucket_mb=0.001),
+                  piper.replicate({"PP": 1}, bucket_mb=100)]
+    p = piper.plan(model, *batch, directives=directives, world_size=4)
+    reduces = [n for n in p.dag if isinstance(n.op, GradReduce)]
+    per_group = {g: sum(n.devices == g for n in reduces) for g in ((0, 2), (1, 3))}
+    assert per_group[(0, 2)] > 1 and per_group[(1, 3)] == 1, per_group
