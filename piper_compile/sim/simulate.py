@@ -10,6 +10,15 @@ starts once it heads the queue of every member. Both then take their cost. The e
 instruction's issue and each queue's completion; every time is the latest of the events it depends
 on, so the result does not depend on the order in which ready events are handled.
 
+Where a program records reorderings (``plan/reorder.py``), the host makes them as the executor does where
+waits block it (gloo): at a compute step whose input completes after the host is free, its overlap
+partner runs first if the communication it needs has completed by then, then its fillers, nearest
+first, one at a time, each only if its communication has completed by the time it would start, while
+the input is still late; a step run early is skipped at its own position. (On CUDA the partner runs on a
+second stream instead; the simulation does not model that.) A filler's need whose completion is not
+simulated yet defers the decision until it is, or, if nothing else can move, counts as incomplete for
+the rank whose host is earliest (its completion then depends on a rank's later work).
+
 A rank's step ends when its host has issued everything and all its asynchronous work completed
 (the executor waits for it), plus the cost model's epilogue; the step time is the latest rank's end.
 """
@@ -23,6 +32,7 @@ from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.ir.ops import GradReduce, ParamGather, QueueKey
 from piper_compile.plan.program import Instr, Program
+from piper_compile.plan.reorder import needs
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.sim.cost import CostModel
 from piper_compile.sim.shapes import Sizes
@@ -112,6 +122,12 @@ class _Sim:
         self.dirty_queues: set[QueueKey] = set()
         self.remaining = sum(len(p.instrs) for p in programs)  # host issues + queue completions left
         self.queued = 0
+        # recorded reorderings: per rank the steps run early, what each compute step needs, positions
+        self.early: dict[int, set[int]] = {r: set() for r in self.ranks}
+        self.need = {p.rank: needs(p) for p in programs if any(i.partner or i.fillers for i in p.instrs)}
+        self.at = {r: self.by_rank[r].positions() for r in self.need}
+        self.deferred: dict[int, float] = {}  # rank -> host time of a reordering decision it waits to make
+        self.force: int | None = None  # the deferred rank that decides with unknown needs as incomplete
 
     def issue_ready(self) -> bool:
         """Advance every host thread whose state changed as far as its waits allow."""
@@ -121,9 +137,17 @@ class _Sim:
             p = self.by_rank[r]
             while self.pcs[r] < len(p.instrs):
                 ins = p.instrs[self.pcs[r]]
+                if self.pcs[r] in self.early[r]:  # ran ahead of an earlier step
+                    self.pcs[r] += 1
+                    continue
                 if not all(w in self.done[r] for w in ins.waits):
                     break
                 free = self.host[r] + self.cost.gap(r)
+                if ins.partner or ins.fillers:
+                    late = self._run_early(r, p, free, max([free] + [self.done[r][w] for w in ins.waits]))
+                    if late is None:
+                        break
+                    free = late
                 t = max([free] + [self.done[r][w] for w in ins.waits])
                 if ins.is_async:
                     end = t + self.cost.issue(ins, r)
@@ -140,6 +164,66 @@ class _Sim:
                 self.pcs[r] += 1
                 moved = True
         return moved
+
+    def _complete(self, r: int, k: int, t: float) -> bool | None:
+        """Whether the communication step ``k`` of rank ``r`` needs has completed by ``t`` (None: unknown)."""
+        times = [self.done[r].get(w) for w in self.need[r][k]]
+        if any(x is None for x in times):
+            return False if self.force == r else None
+        return all(x <= t for x in times)  # type: ignore[operator]
+
+    def _first_complete(self, r: int, ks: list[int], taken: set[int], t: float) -> tuple[bool, int | None]:
+        """(decided, the first of ``ks`` not taken whose communication has completed by ``t``)."""
+        for k in ks:
+            if k not in taken:
+                ok = self._complete(r, k, t)
+                if ok is None:
+                    return False, None
+                if ok:
+                    return True, k
+        return True, None
+
+    def _pick_early(self, r: int, p: Program, cur: float, ready: float) -> list[int] | None:
+        """The steps rank ``r`` runs ahead of its current compute step, whose input completes at ``ready``,
+        with its host free at ``cur``: the partner, then fillers nearest first while the input is late
+        (the executor's rule); None: undecided (a need's completion is not simulated yet)."""
+        ins, at, taken = p.instrs[self.pcs[r]], self.at[r], set(self.early[r])
+        out: list[int] = []
+        fillers = [at[f] for f in ins.fillers]
+        for ks in ([at[ins.partner]] if ins.partner else [], *([fillers] * len(fillers))):
+            if cur >= ready:
+                break
+            decided, k = self._first_complete(r, ks, taken, cur)
+            if not decided:
+                return None
+            if k is None:
+                if ks is fillers:
+                    break
+                continue  # the partner's input is late too: fillers may still run
+            out.append(k)
+            taken.add(k)
+            cur += self.cost.duration(p.instrs[k], r)
+        return out
+
+    def _run_early(self, r: int, p: Program, cur: float, ready: float) -> float | None:
+        """Run the steps ``_pick_early`` chooses (spans, completion times); the host's new free time, or
+        None when the decision has to wait (the rank is then deferred)."""
+        picks = self._pick_early(r, p, cur, ready)
+        if picks is None:
+            self.deferred[r] = cur
+            return None
+        self.deferred.pop(r, None)
+        if self.force == r:
+            self.force = None
+        for k in picks:
+            ins = p.instrs[k]
+            end = cur + self.cost.duration(ins, r)
+            self.spans.append(span_of(ins, r, k, cur, end, wait_s=0.0))
+            self.done[r][ins.name] = end
+            self.busy[r] += end - cur
+            self.early[r].add(k)
+            cur = end
+        return cur
 
     def _finish(self, items: list[tuple[QueueKey, _Issued]], duration: float) -> None:
         start = max(max(it.ready, self.free_at[k]) for k, it in items)
@@ -188,6 +272,11 @@ class _Sim:
         while not self.finished():
             moved = self.issue_ready()
             moved |= self.complete_heads()
+            if not moved and self.deferred and self.force is None:
+                # nothing moves: the earliest deferred host decides; what it waits on comes after it
+                self.force = min(self.deferred, key=lambda rank: (self.deferred[rank], rank))
+                self.dirty_ranks.add(self.force)
+                continue
             if not moved:
                 verify_programs(self.programs)  # raises with the rank x step grid
                 raise PiperPlanError("piper: internal: the simulation stalled on programs the verifier accepts")
