@@ -19,7 +19,7 @@ from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, captur
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import (
-    Place, Replicate, ShardTensor, filter_matches, split_backward_filters,
+    Replicate, filter_matches, split_backward_filters,
 )
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
@@ -29,6 +29,7 @@ from piper_compile.ir.shard import ParamShard
 from piper_compile.passes.build import build_dag
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.driver import run_passes
+from piper_compile.passes.graph import GraphContext, run_graph_passes
 from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.runtime.consistency import (
@@ -92,6 +93,7 @@ class CompiledStep:
         self.plans: dict[bool, Plan] = {}
         self.tp_shards: dict[str, ParamShard] = {}  # tensor parallel: how capture split each layer
         self.tp_partial: frozenset[str] = frozenset()  # sequence parallel: gradients summed over the TP group
+        self.graph_timings: dict[str, float] = {}  # seconds per graph pass (passes/graph.py)
         self.state: TrainState | None = None
         self.rank, self.world = world or world_info()
         # Shared by every model instance this compiled code runs for (see bind): planned strategies
@@ -108,29 +110,14 @@ class CompiledStep:
         return self._options
 
     # -- planning ----------------------------------------------------------------------------
-    def _tensor_parallel(self) -> tuple[Any, ...] | None:
-        """``shard_tensor``: mark and split the linear layers in Dynamo's graph; the local fake inputs."""
-        from piper_compile.capture.tensor_parallel import local_fakes, shard_linears
+    def _graph_passes(self) -> tuple[Any, ...] | None:
+        """The graph passes on Dynamo's graph (``passes/graph.py``: tensor-parallel sharding, sequence
+        parallel); the local fake inputs when a pass changed parameter shapes."""
+        from piper_compile.capture.tensor_parallel import local_fakes
 
-        dirs = [d for d in self.options.directives if isinstance(d, ShardTensor)]
-        if not dirs:
-            return None
-        if len(dirs) > 1:
-            raise dirs[1].error("a second shard_tensor directive", "list every layer in one shard_tensor's params")
-        d = dirs[0]
-        if d.devices is not None:
-            size = len(d.devices[0])
-        elif any(isinstance(x, Place) for x in self.options.directives):
-            raise d.error("with place directives, shard_tensor needs 'devices' (its tensor-parallel groups)",
-                          'add "devices": [[0, 1], [2, 3]] (ranks of one group see the same batch)')
-        else:
-            size = self.world
-        self.tp_shards, shapes = shard_linears(self.gm, self.sources, d.params, size)
-        if d.sequence_parallel:
-            from piper_compile.capture.sequence_parallel import split_sequence
-
-            self.tp_partial = split_sequence(self.gm, self.sources, d.seq_dim, size)
-        return local_fakes(self.gm, shapes)
+        ctx = run_graph_passes(GraphContext(self.gm, self.sources, self.options.directives, self.world))
+        self.tp_shards, self.tp_partial, self.graph_timings = ctx.tp_shards, ctx.tp_partial, ctx.timings
+        return local_fakes(self.gm, ctx.local_shapes) if ctx.local_shapes is not None else None
 
     def _bucket_bytes(self, region: Any) -> float | None:
         """The gradient bucket size of a region: the smallest ``bucket_size`` of the ``replicate``
@@ -140,7 +127,7 @@ class CompiledStep:
         return min(caps) * 2**20 if caps else None
 
     def _capture(self) -> None:
-        fakes = self._tensor_parallel()
+        fakes = self._graph_passes()
         try:
             self.joint = capture_joint(self.gm, self.example_inputs, self.sources, fakes)
         except PiperError as e:

@@ -143,3 +143,21 @@ def test_bad_sharding_kind_and_groups():
 def test_groups_must_partition_the_region():
     with pytest.raises(PiperDirectiveError, match="do not partition"):
         _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1]])], world=4)
+
+
+def test_graph_passes_are_named_timed_and_dumped(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """shard_tensor's transforms of Dynamo's graph run as named graph passes under the driver's rules:
+    timed, the FX graph dumped after each with PIPER_DEBUG (here the split layers' markers show)."""
+    from piper_compile.api import capture_step
+
+    monkeypatch.setenv("PIPER_DEBUG", "1")
+    m = build_model("gpt", 0, layers=1, dim=8, heads=2, vocab=16, seq=4)
+    batch = m.make_batch(4, torch.Generator().manual_seed(0))
+    step = capture_step(m, *batch, directives=[piper.shard_tensor(TP, sequence_parallel=True)], world_size=2)
+    step.initial_dag(False)
+    assert list(step.graph_timings) == ["shard_linears", "sequence_parallel"]
+    err = capsys.readouterr().err
+    after_tp = err.split("FX graph after shard_linears", 1)[1].split("FX graph after sequence_parallel", 1)[0]
+    assert "tp_allreduce" in after_tp or "piper_tp" in after_tp, after_tp[:2000]
+    assert "FX graph after sequence_parallel" in err

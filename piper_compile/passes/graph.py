@@ -1,0 +1,91 @@
+"""Graph passes: the directives that act on Dynamo's FX graph, before the joint capture cuts it into
+segments -- today ``shard_tensor``'s linear-layer sharding with its shape fitting, and its sequence
+parallelism. Each is one named step in ``GRAPH_PASSES`` (in order), run by ``run_graph_passes`` under
+the same rules as the DAG passes (``driver.py``): timed (``GraphContext.timings``), the FX graph
+dumped after each with ``PIPER_DEBUG=1``, skippable by name with ``PIPER_SKIP_PASSES`` (debugging only).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import fx
+
+from piper_compile.directives.spec import Directive, Place, ShardTensor
+from piper_compile.ir.shard import ParamShard
+from piper_compile.knobs import knob
+
+
+@dataclass
+class GraphContext:
+    """What graph passes read (Dynamo's graph, its parameter sources, the directives, the world size)
+    and what they leave for capture and planning."""
+
+    gm: fx.GraphModule
+    sources: Any
+    directives: list[Directive]
+    world: int
+    timings: dict[str, float] = field(default_factory=dict)
+    tp_shards: dict[str, ParamShard] = field(default_factory=dict)  # how each split layer is cut
+    local_shapes: dict[Any, Any] | None = None  # placeholder -> this rank's shape (None: unchanged)
+    tp_partial: frozenset[str] = frozenset()  # sequence parallel: gradients summed over the TP group
+
+    def shard_tensor(self) -> tuple[ShardTensor, int] | None:
+        """The ``shard_tensor`` directive and its tensor-parallel group size, if there is one."""
+        dirs = [d for d in self.directives if isinstance(d, ShardTensor)]
+        if not dirs:
+            return None
+        if len(dirs) > 1:
+            raise dirs[1].error("a second shard_tensor directive", "list every layer in one shard_tensor's params")
+        d = dirs[0]
+        if d.devices is not None:
+            return d, len(d.devices[0])
+        if any(isinstance(x, Place) for x in self.directives):
+            raise d.error("with place directives, shard_tensor needs 'devices' (its tensor-parallel groups)",
+                          'add "devices": [[0, 1], [2, 3]] (ranks of one group see the same batch)')
+        return d, self.world
+
+
+def shard_linears_pass(ctx: GraphContext) -> None:
+    """``shard_tensor``: split the listed linear layers in the graph, fit view/reshape sizes to the
+    local shapes, mark the collectives (``capture/tensor_parallel.py``, ``capture/tp_shapes.py``)."""
+    from piper_compile.capture.tensor_parallel import shard_linears
+
+    found = ctx.shard_tensor()
+    if found is not None:
+        d, size = found
+        ctx.tp_shards, ctx.local_shapes = shard_linears(ctx.gm, ctx.sources, d.params, size)
+
+
+def sequence_parallel_pass(ctx: GraphContext) -> None:
+    """``shard_tensor(sequence_parallel=True)``: activations between the split layers hold each rank's
+    slice of the sequence (``capture/sequence_parallel.py``)."""
+    from piper_compile.capture.sequence_parallel import split_sequence
+
+    found = ctx.shard_tensor()
+    if found is not None and found[0].sequence_parallel:
+        d, size = found
+        ctx.tp_partial = split_sequence(ctx.gm, ctx.sources, d.seq_dim, size)
+
+
+GRAPH_PASSES: list[tuple[str, Callable[[GraphContext], None]]] = [
+    ("shard_linears", shard_linears_pass),
+    ("sequence_parallel", sequence_parallel_pass),
+]
+
+
+def run_graph_passes(ctx: GraphContext) -> GraphContext:
+    """Every graph pass in order (less those skipped by name); returns ``ctx`` with their results."""
+    skip = set(filter(None, knob("PIPER_SKIP_PASSES").split(",")))
+    for name, fn in GRAPH_PASSES:
+        if name in skip:
+            continue
+        t0 = time.perf_counter()
+        fn(ctx)
+        ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - t0
+        if knob("PIPER_DEBUG"):
+            print(f"--- piper: FX graph after {name} ({ctx.timings[name] * 1e3:.1f} ms)\n{ctx.gm.graph}",
+                  file=sys.stderr)
+    return ctx
