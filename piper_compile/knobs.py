@@ -63,8 +63,8 @@ def _parse(kind: str, text: str, choices: tuple[str, ...]) -> Any:
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
-    Knob("PIPER_DEBUG", "flag", False, "print the DAG after every pass (to stderr)"),
-    Knob("PIPER_SKIP_PASSES", "text", "", "comma-separated pass names the pass driver skips (debugging only)"),
+    Knob("PIPER_DEBUG", "flag", False, "print the FX graph after every graph pass and the DAG after every DAG pass (to stderr)"),
+    Knob("PIPER_SKIP_PASSES", "text", "", "comma-separated names of graph or DAG passes the pass drivers skip (debugging only)"),
     Knob("PIPER_TRACE", "text", "", "a directory: write a Chrome/Perfetto trace per rank of every step (pid = rank, tid = stream, SEND to RECV flows)"),
     Knob("PIPER_CODEGEN", "choice", "inductor", "default of options['codegen']: compile segments with "
          "Inductor, or run them as eager FX graphs", ("inductor", "eager")),
