@@ -20,7 +20,9 @@ class Instr:
     waits: tuple[str, ...] = ()  # async instructions (node names) this one must wait for
     frees: tuple[str, ...] = ()  # values dropped after this instruction
     partner: str | None = None  # the overlap partner that may run before this one (``plan/reorder.py``)
-    fillers: tuple[str, ...] = ()  # sink steps that may run while this one's input is in flight, nearest first
+    # sink steps that may run while this one's input is in flight, nearest first, each with the reordered
+    # steps (partner, nearer fillers) that must have run early before it may
+    fillers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def name(self) -> str:
@@ -78,7 +80,8 @@ class Program:
             if i.waits:
                 extra += f"  wait[{', '.join(i.waits)}]"
             if i.fillers:
-                extra += f"  fill[{', '.join(i.fillers)}]"
+                fills = [f + (" after " + "+".join(a) if a else "") for f, a in i.fillers]
+                extra += f"  fill[{', '.join(fills)}]"
             if i.frees:
                 shown = ", ".join(i.frees[:4]) + (f", +{len(i.frees) - 4}" if len(i.frees) > 4 else "")
                 extra += f"  free[{shown}]"

@@ -12,7 +12,8 @@ same gradient, or two into the loss, are never swapped):
   lets later independent *sink* steps run first -- steps whose results nothing else reads, only
   accumulated into gradients or the loss (a zero-bubble schedule's deferred weight-gradient steps) --
   nearest first, up to ``window`` compute steps ahead, each only once the communication it needs has
-  completed. A step that feeds others (a forward, an input gradient) stays in place: run early, it
+  completed. A filler that reads what the partner produces, or adds into what a nearer filler adds
+  into, is recorded with that step (``fill[BW.PP1.mb0 after BI.PP1.mb0]``) and runs only after it. A step that feeds others (a forward, an input gradient) stays in place: run early, it
   would delay the waiting step, whose output a neighbour stage is waiting for, and keep its own
   activations alive longer.
 
@@ -54,13 +55,14 @@ def still_read(program: "Program", pos: int, k: int, done: Container[int]) -> se
 
 
 def reorder_problem(program: "Program", pos: int, k: int, need: dict[int, tuple[str, ...]],
-                    how: str) -> str | None:
+                    how: str, ran: Container[int] = ()) -> str | None:
     """Why compute step ``k`` may not run before instruction ``pos`` as its overlap partner (``how`` =
-    "partner") or as a filler ("filler"); None when it may. Both: ``k`` is a later compute step, reads
-    nothing produced from ``pos`` up to it, and needs only communication issued before ``pos`` (else it
-    would wait for something this rank has not issued yet: a deadlock). A partner and ``pos`` do not both
-    add into gradients or both into the loss; a filler adds into nothing the steps it jumps add into,
-    and jumps only instructions whose op allows it (``jumpable``)."""
+    "partner") or as a filler ("filler") once the steps at positions ``ran`` (between them) have run
+    early; None when it may. Both: ``k`` is a later compute step, reads nothing produced from ``pos`` up
+    to it by a step that has not run, and needs only communication issued before ``pos`` (else it would
+    wait for something this rank has not issued yet: a deadlock). A partner and ``pos`` do not both add
+    into gradients or both into the loss; a filler adds into nothing the steps it jumps add into, and
+    jumps only instructions whose op allows it (``jumpable``)."""
     instrs = program.instrs
     if not pos < k < len(instrs) or k not in need:
         return f"{_at(program, k)} is not a compute step after {_at(program, pos)}"
@@ -69,7 +71,7 @@ def reorder_problem(program: "Program", pos: int, k: int, need: dict[int, tuple[
     if late:
         return (f"{_at(program, k)} needs {late[0]}, which rank {program.rank} issues only at or after "
                 f"{_at(program, pos)}: run there, it would wait forever (deadlock)")
-    between = instrs[pos:k]
+    between = [instrs[m] for m in range(pos, k) if m not in ran]
     clash = {v for i in between for v in i.node.outputs} & set(instrs[k].node.inputs)
     if clash:
         return f"{_at(program, k)} reads {sorted(clash)[0]}, produced after {_at(program, pos)}"
@@ -99,32 +101,51 @@ def _partners(program: "Program", need: dict[int, tuple[str, ...]]) -> dict[int,
             if program.instrs[a].waits and reorder_problem(program, a, b, need, "partner") is None}
 
 
-def _fillers(program: "Program", window: int, need: dict[int, tuple[str, ...]]) -> dict[int, tuple[int, ...]]:
-    """compute position with waits -> the sink steps among the next ``window`` compute steps that may
-    run while it waits, nearest first."""
+Filler = tuple[int, tuple[int, ...]]  # (position, positions of the reordered steps it needs to have run first)
+
+
+def _fillers(program: "Program", window: int, need: dict[int, tuple[str, ...]],
+             partners: dict[int, int]) -> dict[int, tuple[Filler, ...]]:
+    """compute position with waits -> the sink steps among the next ``window`` compute steps (its
+    partner not counted) that may run while it waits, nearest first; each with the partner or nearer
+    fillers that must have run before it (e.g. a weight-gradient step adding into the weights a nearer
+    one adds into: order kept)."""
     instrs = program.instrs
     read = {v for ins in instrs for v in ins.node.inputs}
     sinks = {k for k in need if accumulates(instrs[k]) and not set(instrs[k].node.outputs) & read}
     computes = list(need)
-    out: dict[int, tuple[int, ...]] = {}
+    out: dict[int, tuple[Filler, ...]] = {}
     for idx, pos in enumerate(computes):
         if not instrs[pos].waits or not window:
             continue
-        ahead = [k for k in computes[idx + 1: idx + 1 + window] if k in sinks]
-        ok = tuple(k for k in ahead if reorder_problem(program, pos, k, need, "filler") is None)
-        if ok:
-            out[pos] = ok
+        ahead = [k for k in computes[idx + 1:] if k != partners.get(pos)][:window]
+        early = [partners[pos]] if pos in partners else []
+        found: list[Filler] = []
+        for k in (k for k in ahead if k in sinks):
+            first = tuple(m for m in early if m < k and _conflict(instrs[m], instrs[k]))
+            if reorder_problem(program, pos, k, need, "filler", first) is None:
+                found.append((k, first))
+                early.append(k)
+        if found:
+            out[pos] = tuple(found)
     return out
+
+
+def _conflict(m: "Instr", k: "Instr") -> bool:
+    """Whether ``k`` reads what ``m`` produces or adds into something ``m`` adds into."""
+    return bool(set(m.node.outputs) & set(k.node.inputs) or accumulates(m) & accumulates(k))
 
 
 def record_reorders(program: "Program", window: int) -> "Program":
     """``program`` with its overlap partners and fillers (``window`` compute steps ahead at most)
     recorded on the instructions they may run before."""
     need = needs(program)
-    partners, fillers = _partners(program, need), _fillers(program, window, need)
+    partners = _partners(program, need)
+    fillers = _fillers(program, window, need, partners)
     names = [ins.name for ins in program.instrs]
     program.instrs = [dataclasses.replace(ins, partner=names[partners[k]] if k in partners else None,
-                                          fillers=tuple(names[j] for j in fillers.get(k, ())))
+                                          fillers=tuple((names[j], tuple(names[m] for m in first))
+                                                        for j, first in fillers.get(k, ())))
                       for k, ins in enumerate(program.instrs)]
     return program
 
@@ -134,10 +155,10 @@ def check_reorders(program: "Program") -> None:
     need = needs(program)
     at = {ins.name: k for k, ins in enumerate(program.instrs)}
     for pos, ins in enumerate(program.instrs):
-        recorded = [(ins.partner, "partner")] if ins.partner else []
-        recorded += [(f, "filler") for f in ins.fillers]
-        for name, how in recorded:
-            why = reorder_problem(program, pos, at.get(name, -1), need, how)
+        recorded = [(ins.partner, "partner", ())] if ins.partner else []
+        recorded += [(f, "filler", first) for f, first in ins.fillers]
+        for name, how, first in recorded:
+            why = reorder_problem(program, pos, at.get(name, -1), need, how, {at.get(m, -1) for m in first})
             if why is not None:
                 role = "an overlap partner" if how == "partner" else "a filler"
                 raise PiperPlanError(f"piper: rank {program.rank}'s program records {name} as {role} of "

@@ -95,8 +95,8 @@ class Executor:
         at = program.positions()
         self._partner = {k: at[i.partner] for k, i in enumerate(program.instrs) if i.partner}
         self._side = side_stream_for(state.device, overlap_streams) if self._partner else None
-        self._fillers = {k: tuple(at[f] for f in i.fillers) for k, i in enumerate(program.instrs)
-                         if i.fillers} if state.device.type != "cuda" else {}
+        self._fillers = {k: tuple((at[f], tuple(at[a] for a in after)) for f, after in i.fillers)
+                         for k, i in enumerate(program.instrs) if i.fillers} if state.device.type != "cuda" else {}
 
     def eval_sym(self, expr: Any, syms: dict[str, int]) -> int:
         """A SymInt expression at these symbol values (sympy once per expression and assignment)."""
@@ -159,12 +159,12 @@ class Executor:
 
     def _fill(self, step: Step, pos: int, ran_early: dict[int, bool]) -> None:
         """While step ``pos``'s input is in flight, run later independent sink steps (deferred weight
-        gradients) the plan recorded for it (``Instr.fillers``) whose communication has completed, nearest
-        first, one at a time, re-checking the wait in between."""
+        gradients) the plan recorded for it (``Instr.fillers``) whose communication has completed and whose
+        recorded predecessors have run early, nearest first, one at a time, re-checking the wait in between."""
         waits, pending = self.program.instrs[pos].waits, step.pending
         while self._blocked(waits, pending):
-            k = next((k for k in self._fillers[pos]
-                      if k not in ran_early and not self._blocked(self._needs[k], pending)), None)
+            k = next((k for k, after in self._fillers[pos] if k not in ran_early
+                      and all(a in ran_early for a in after) and not self._blocked(self._needs[k], pending)), None)
             if k is None:
                 return
             self._run_early(step, pos, k, "host", ran_early)

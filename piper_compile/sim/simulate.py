@@ -172,10 +172,12 @@ class _Sim:
             return False if self.force == r else None
         return all(x <= t for x in times)  # type: ignore[operator]
 
-    def _first_complete(self, r: int, ks: list[int], taken: set[int], t: float) -> tuple[bool, int | None]:
-        """(decided, the first of ``ks`` not taken whose communication has completed by ``t``)."""
-        for k in ks:
-            if k not in taken:
+    def _first_complete(self, r: int, ks: list[tuple[int, tuple[int, ...]]], taken: set[int],
+                        t: float) -> tuple[bool, int | None]:
+        """(decided, the first of ``ks`` not taken, whose recorded predecessors have run early and whose
+        communication has completed by ``t``)."""
+        for k, after in ks:
+            if k not in taken and all(a in taken for a in after):
                 ok = self._complete(r, k, t)
                 if ok is None:
                     return False, None
@@ -189,8 +191,9 @@ class _Sim:
         (the executor's rule); None: undecided (a need's completion is not simulated yet)."""
         ins, at, taken = p.instrs[self.pcs[r]], self.at[r], set(self.early[r])
         out: list[int] = []
-        fillers = [at[f] for f in ins.fillers]
-        for ks in ([at[ins.partner]] if ins.partner else [], *([fillers] * len(fillers))):
+        fillers = [(at[f], tuple(at[a] for a in after)) for f, after in ins.fillers]
+        partner = [(at[ins.partner], ())] if ins.partner else []
+        for ks in (partner, *([fillers] * len(fillers))):
             if cur >= ready:
                 break
             decided, k = self._first_complete(r, ks, taken, cur)

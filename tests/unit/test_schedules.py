@@ -173,11 +173,14 @@ def test_reorder_window_candidates_are_independent(kind: str) -> None:
             if ins.node.kind is not Kind.COMPUTE or not ins.waits:
                 assert not ins.fillers
                 continue
-            for k in map(at.get, ins.fillers):
+            for name, after in ins.fillers:
+                k, ran = at[name], {at[a] for a in after}
+                assert ran <= {at[ins.partner] if ins.partner else -1} | {at[f] for f, _ in ins.fillers}
+                assert all(pos < m < k for m in ran)
                 assert k > pos and instrs[k].node.kind is Kind.COMPUTE
                 assert accumulates(instrs[k]) and not set(instrs[k].node.outputs) & {  # a sink
                     v for i in instrs for v in i.node.inputs}
-                between = instrs[pos:k]
+                between = [instrs[m] for m in range(pos, k) if m not in ran]  # what it jumps
                 assert not {v for i in between for v in i.node.outputs} & set(instrs[k].node.inputs)
                 assert not set().union(*(accumulates(i) for i in between)) & accumulates(instrs[k])
                 assert all(at[w] < pos for w in need[k])
@@ -185,12 +188,16 @@ def test_reorder_window_candidates_are_independent(kind: str) -> None:
                 fillers_found.append(instrs[k].node.name)
                 assert instrs[k].node.name in prog.to_text()
             computes_after = [instrs[k].name for k in range(pos + 1, len(instrs)) if instrs[k].node.kind is Kind.COMPUTE]
-            assert set(prog1.instrs[pos].fillers) <= set(computes_after[:1])  # the window
+            partner = [ins.partner] if ins.partner else []
+            window1 = [c for c in computes_after if c not in partner][:1]
+            assert {f for f, _ in prog1.instrs[pos].fillers} <= set(window1)  # the window
     assert not any(i.fillers for p in _plan(kind, reorder_window=0).programs for i in p.instrs)
     if kind == "zbv":  # a deferred weight-gradient step of the other stage can fill a wait
         assert any("BW" in name for name in fillers_found), fillers_found
     if kind == "zb_h1":  # one stage per rank: its weight-gradient steps all add into the same weights
         assert fillers_found == []
+    if kind != "zb_h1":  # a filler that reads what the overlap partner produces runs only after it
+        assert any(after for p in plan.programs for i in p.instrs for _, after in i.fillers)
 
 
 def test_verifier_rejects_a_recorded_reordering_that_would_deadlock() -> None:
@@ -212,7 +219,7 @@ def test_verifier_rejects_a_recorded_reordering_that_would_deadlock() -> None:
                      and any(at[w] > p for w in need[k]))
     for how in ("fillers", "partner"):
         bad = dataclasses.replace(prog, instrs=list(prog.instrs))
-        value = (prog.instrs[late].name,) if how == "fillers" else prog.instrs[late].name
+        value = ((prog.instrs[late].name, ()),) if how == "fillers" else prog.instrs[late].name
         bad.instrs[pos] = dataclasses.replace(prog.instrs[pos], **{how: value})
         with pytest.raises(PiperPlanError, match="would wait forever \\(deadlock\\)") as e:
             verify_programs([bad, *plan.programs[1:]])
@@ -243,7 +250,7 @@ def test_simulator_makes_the_recorded_reorderings(kind: str) -> None:
         assert set(spans) >= {k for k, i in enumerate(prog.instrs) if not i.is_async}
         at, need = prog.positions(), needs(prog)
         for pos, ins in enumerate(prog.instrs):
-            for name in ([ins.partner] if ins.partner else []) + list(ins.fillers):
+            for name in ([ins.partner] if ins.partner else []) + [f for f, _ in ins.fillers]:
                 k = at[name]
                 if spans[k].start < spans[pos].start:  # ran ahead of pos
                     early += 1
