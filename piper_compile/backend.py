@@ -147,7 +147,8 @@ class CompiledStep:
             return any(filter_matches(f, dict(region)) for f in zero3)
 
         self.segments = {s.name: s for s in extract_segments(self.joint, self._bucket_bytes, split_bw if split else None,
-                                                             chunk_fw if zero3 else None, self.options.remat)}
+                                                             chunk_fw if zero3 else None, self.options.remat,
+                                                             self.graph_timings)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.steps.append(self)
         self.example_inputs = []  # drop references to the first batch

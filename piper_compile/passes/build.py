@@ -1,7 +1,8 @@
 """The initial training DAG: one COMPUTE node per segment, unplaced, not yet split."""
 from __future__ import annotations
 
-from piper_compile.capture.segments import Segment, region_label
+from piper_compile.capture.regions import region_label
+from piper_compile.capture.segments import Segment
 from piper_compile.ir.dag import Node, TrainingDAG, make_tags
 from piper_compile.ir.ops import Segment as SegmentOp
 

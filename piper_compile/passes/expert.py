@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import fx
 
-from piper_compile.capture.segments import boundary_kind
+from piper_compile.capture.regions import boundary_kind
 from piper_compile.directives.spec import Shard
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, param_fqn

@@ -88,7 +88,7 @@ def _add_send_recv(dag: TrainingDAG, ctx: PassContext, p: Node, c: Node, v: str)
     stream = c.attr("p2p_stream") or (P2P_FWD if p.tag("PASS") == "F" else P2P_BWD)
     dst = group_label(c.devices)
     shape, dtype = _recv_meta(ctx, p, v)
-    if dtype == "sym":  # capture recomputes scalars in the consuming region (capture/segments.py)
+    if dtype == "sym":  # capture recomputes scalars in the consuming region (capture/segments.py: _segment_graph)
         raise PiperError(f"piper: internal: the scalar {v} produced by {p.name} (ranks {list(p.devices)}) would be "
                          f"received by {c.name} (ranks {list(c.devices)}) as a tensor; scalars must be recomputed "
                          "on the consuming ranks. Please report this with the model")

@@ -12,7 +12,7 @@ shards the optimizer state of its (identical) buckets, which hold its position's
 """
 from __future__ import annotations
 
-from piper_compile.capture.segments import boundary_kind
+from piper_compile.capture.regions import boundary_kind
 from piper_compile.directives.spec import ShardTensor
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG

@@ -118,3 +118,29 @@ def test_every_pass_runs_on_a_dag_read_from_text(name: str) -> None:
         from_text = step(parse_dag(dag.to_text())).to_text()
         dag = step(dag)
         assert from_text == dag.to_text(), step_name
+
+
+def test_segment_passes_are_named_timed_and_dumped(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The joint graph is cut by named segment passes (capture/cut_passes.py) under the driver's rules:
+    timed in order, the pieces dumped after each with PIPER_DEBUG (a split-backward schedule's BI/BW
+    pieces appear after split_backward), and an optional one skippable by name."""
+    model = build_model("mlp", 0, depth=2)
+    model.annotate_stages(2)  # type: ignore[operator]
+    batch = model.make_batch(4, torch.Generator().manual_seed(0))  # type: ignore[operator]
+    directives = [*piper.pipeline(2), piper.split(2), *piper.schedules.zb_h1(2, 2)]
+    monkeypatch.setenv("PIPER_DEBUG", "1")
+    step = capture_step(model, *batch, directives=directives, world_size=2, options={"codegen": "eager"})
+    step.initial_dag(False)
+    assert list(step.graph_timings) == ["shard_linears", "sequence_parallel",  # graph passes (no-ops here)
+                                        "regions", "split_backward", "bucket_chunks", "cut_pieces", "remat"]
+    err = capsys.readouterr().err
+    after_split = err.split("segment pieces after split_backward", 1)[1].split("--- piper", 1)[0]
+    assert "  BI {'PP': 0}" in after_split and "  BW {'PP': 0}" in after_split, after_split
+    assert {s.pass_ for s in step.segments.values()} == {"F", "BI", "BW"}
+    monkeypatch.setenv("PIPER_SKIP_PASSES", "split_backward")
+    monkeypatch.delenv("PIPER_DEBUG")
+    torch._dynamo.reset()
+    plain = capture_step(model, *batch, directives=[*piper.pipeline(2), piper.split(2)], world_size=2)
+    plain.initial_dag(False)
+    assert "split_backward" not in plain.graph_timings and {s.pass_ for s in plain.segments.values()} == {"F", "B"}

@@ -1,0 +1,333 @@
+"""Segment passes: the joint graph cut into segments in named steps, each one a pass under the same rules
+as the graph and DAG passes (``passes/driver.py``): run in ``CUT_PASSES`` order by ``run_cut_passes``,
+timed (``Cuts.timings``), the pieces dumped after each with ``PIPER_DEBUG=1``, the optional ones
+skippable by name with ``PIPER_SKIP_PASSES`` (debugging only).
+
+* ``regions``: every node's region and pass (``capture/regions.py``); one piece per (pass, region).
+* ``split_backward``: the backward of regions a split-backward schedule names is cut into BI and BW.
+* ``bucket_chunks``: backward (or BW) pieces cut at gradient bucket boundaries (each region's
+  ``replicate`` bucket size); under ZeRO-3 also where a piece starts reading another bucket.
+* ``cut_pieces``: ZeRO-3 forward pieces cut at bucket reads, cuts around nested regions and boundary ops
+  (experts, tensor-parallel markers), ``getitem`` kept with its producer: the final pieces.
+* ``remat``: which activations each backward piece recomputes instead of receiving (``capture/remat.py``).
+
+``capture/segments.py`` then builds one segment per final piece: it only cuts along what these decided.
+"""
+from __future__ import annotations
+
+import bisect
+import operator
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import fx
+
+from piper_compile.capture.joint import JointGraph
+from piper_compile.capture.regions import Region, assign_regions, boundary_kind, param_derived
+from piper_compile.capture.remat import NO_REMAT, RematPlan, plan_remat
+from piper_compile.knobs import knob
+
+Key = tuple[str, Region, int]  # (pass, region, chunk index or -1)
+
+
+@dataclass
+class Cuts:
+    """The joint graph's nodes as pieces, as the segment passes cut them, and what they decided."""
+
+    joint: JointGraph
+    bucket_bytes: "BucketBytes" = None
+    split_bw: Callable[[Region], bool] | None = None
+    chunk_fw: Callable[[Region], bool] | None = None
+    remat: bool = True
+    defer_forward_only: bool = False
+    region: dict[str, Region] = field(default_factory=dict)  # node -> region
+    passes: dict[str, str] = field(default_factory=dict)  # node -> F/B
+    derived: set[str] = field(default_factory=set)  # parameter-only nodes (recomputed where read)
+    groups: dict[tuple[str, Region], list[fx.Node]] = field(default_factory=dict)
+    parts: dict[tuple[str, Region], list[tuple[str, list[fx.Node]]]] = field(default_factory=dict)
+    chunked: dict[tuple[str, Region], list[list[fx.Node]]] = field(default_factory=dict)
+    bucket_of: dict[str, Any] = field(default_factory=dict)  # param value -> its gradient bucket
+    keyed: dict[Key, list[fx.Node]] = field(default_factory=dict)  # the final pieces
+    recompute: RematPlan = NO_REMAT
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def pieces(self) -> dict[Any, list[fx.Node]]:
+        """The pieces as they stand: final ones once ``cut_pieces`` ran, else the parts so far."""
+        if self.keyed:
+            return dict(self.keyed)
+        return {(p, reg, c): nodes for (_, reg), ps in self.parts.items() for p, part in ps
+                for c, nodes in enumerate(self.chunked.get((p, reg), [part]))}
+
+
+def regions_pass(cuts: Cuts) -> None:
+    gm = cuts.joint.gm
+    cuts.region, cuts.passes = assign_regions(gm, cuts.defer_forward_only)
+    cuts.derived = param_derived(gm, cuts.joint)
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "output") and n.name not in cuts.derived:
+            cuts.groups.setdefault((cuts.passes[n.name], cuts.region[n.name]), []).append(n)
+    cuts.parts = {key: [(key[0], nodes)] for key, nodes in cuts.groups.items()}
+
+
+def split_backward_pass(cuts: Cuts) -> None:
+    out_node = cuts.joint.gm.graph.find_nodes(op="output")[0]
+    for (pass_, reg), nodes in cuts.groups.items():
+        if pass_ == "B" and cuts.split_bw is not None and cuts.split_bw(reg):
+            bi, bw = split_backward(nodes, cuts.joint, out_node)
+            cuts.parts[(pass_, reg)] = [("BI", bi), ("BW", bw)]
+
+
+def bucket_chunks_pass(cuts: Cuts) -> None:
+    joint = cuts.joint
+    for (_, reg), ps in cuts.parts.items():  # backward first: forward chunks follow its buckets
+        for part_pass, part in ps:
+            cap = cuts.bucket_bytes(reg) if callable(cuts.bucket_bytes) else cuts.bucket_bytes
+            if part_pass in ("B", "BW") and cap:
+                chunks = _chunk_backward(part, joint, cap)
+                if cuts.chunk_fw is not None and cuts.chunk_fw(reg):  # ZeRO-3: each piece reads one bucket
+                    coarse = _buckets_of(chunks, joint, reg)
+                    chunks = [piece for c in chunks for piece in _cut_at_bucket_reads(c, joint, coarse, cuts.derived)]
+                cuts.chunked[(part_pass, reg)] = chunks
+                cuts.bucket_of.update(_buckets_of(chunks, joint, reg))
+
+
+def cut_pieces_pass(cuts: Cuts) -> None:
+    gm = cuts.joint.gm
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    keyed: dict[Key, list[fx.Node]] = {}
+    for (pass_, reg), ps in cuts.parts.items():
+        for part_pass, part in ps:
+            if (part_pass, reg) in cuts.chunked:
+                chunks = cuts.chunked[(part_pass, reg)]
+            elif part_pass == "F" and cuts.chunk_fw is not None and cuts.chunk_fw(reg) and cuts.bucket_of:
+                chunks = _cut_at_bucket_reads(part, cuts.joint, cuts.bucket_of, cuts.derived)
+            else:
+                chunks = [part]
+            nested = sorted(pos[n] for (p2, r2), ns in cuts.groups.items() if p2 == pass_ and set(r2) > set(reg)
+                            for n in ns)
+            if any(chunks):  # an empty part (e.g. the first stage's BI) stays: schedules name it
+                chunks = _cut_at_boundaries(_cut_at_nested(chunks, nested, pos))
+            for c, chunk in enumerate(chunks):
+                keyed[(part_pass, reg, c if len(chunks) > 1 else -1)] = chunk
+    cuts.keyed = _getitems_with_producer(keyed, gm)
+
+
+def remat_pass(cuts: Cuts) -> None:
+    if not cuts.remat:
+        return
+    seg_of = {n.name: key for key, ns in cuts.keyed.items() for n in ns}
+    param_ok = _remat_param_rule(cuts.joint, cuts.keyed, seg_of, cuts.region, cuts.passes, cuts.derived,
+                                 cuts.bucket_of, cuts.chunk_fw)
+    cuts.recompute = plan_remat(cuts.joint, cuts.region, cuts.passes, cuts.derived, param_ok, boundary_kind)
+
+
+# (name, pass, may be skipped by name)
+CUT_PASSES: list[tuple[str, Callable[[Cuts], None], bool]] = [
+    ("regions", regions_pass, False),
+    ("split_backward", split_backward_pass, True),
+    ("bucket_chunks", bucket_chunks_pass, True),
+    ("cut_pieces", cut_pieces_pass, False),
+    ("remat", remat_pass, True),
+]
+
+
+def run_cut_passes(cuts: Cuts) -> Cuts:
+    """Every segment pass in order (less the optional ones skipped by name); returns ``cuts``."""
+    skip = set(filter(None, knob("PIPER_SKIP_PASSES").split(",")))
+    for name, fn, optional in CUT_PASSES:
+        if optional and name in skip:
+            continue
+        t0 = time.perf_counter()
+        fn(cuts)
+        cuts.timings[name] = cuts.timings.get(name, 0.0) + time.perf_counter() - t0
+        if knob("PIPER_DEBUG"):
+            print(f"--- piper: segment pieces after {name} ({cuts.timings[name] * 1e3:.1f} ms)\n{_dump(cuts)}",
+                  file=sys.stderr)
+    return cuts
+
+
+def _dump(cuts: Cuts) -> str:
+    lines = []
+    for (p, reg, c), nodes in cuts.pieces().items():
+        names = [n.name for n in nodes]
+        shown = ", ".join(names[:6]) + (f", ... ({len(names)} nodes)" if len(names) > 6 else "")
+        lines.append(f"  {p} {dict(reg)} #{c}: {shown}")
+    if cuts.recompute is not NO_REMAT:
+        lines.append(f"  recomputed in backward: {len(cuts.recompute.nodes)} nodes, {cuts.recompute.released_bytes} bytes "
+                     "of kept activations released")
+    return "\n".join(lines)
+
+
+def _cut_at_nested(chunks: list[list[fx.Node]], nested: list[int], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """Cut a region's pieces where a nested region (its tags plus more, e.g. ``{PP: 0, EP: 0}`` inside
+    ``{PP: 0}``) runs in between, so the block before the nested part, the part and the block after it
+    are separate segments instead of a cycle."""
+    if not nested:
+        return chunks
+    out: list[list[fx.Node]] = []
+    for chunk in chunks:
+        cur: list[fx.Node] = []
+        for n in chunk:
+            if cur and bisect.bisect_left(nested, pos[n]) != bisect.bisect_left(nested, pos[cur[-1]]):
+                out.append(cur)
+                cur = []
+            cur.append(n)
+        out.append(cur)
+    return [c for c in out if c]
+
+
+def _cut_at_boundaries(chunks: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Give every boundary op (with the getitems of its outputs) a chunk of its own; the pieces before and
+    after it stay contiguous in graph order, so the cut never creates a cycle."""
+    out: list[list[fx.Node]] = []
+    for chunk in chunks:
+        ops = [n for n in chunk if boundary_kind(n)]
+        if not ops:
+            out.append(chunk)
+            continue
+        owned = {u for op in ops for u in op.users if u.op == "call_function" and u.target is operator.getitem}
+        cur: list[fx.Node] = []
+        for n in chunk:
+            if n in owned:
+                continue
+            if boundary_kind(n):
+                out.append(cur)
+                out.append([n] + [u for u in chunk if u in owned and u.args[0] is n])
+                cur = []
+            else:
+                cur.append(n)
+        out.append(cur)
+    return [c for c in out if c]
+
+
+FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket starts communication early
+
+
+def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -> list[list[fx.Node]]:
+    """Cut a backward node list after the node whose gradient outputs fill a bucket (the first bucket
+    at most 1 MiB, the others ``cap_bytes``), so each bucket's all-reduce can start while the rest of
+    the backward still computes."""
+    chunks: list[list[fx.Node]] = [[]]
+    size = 0.0
+    cap = min(cap_bytes, FIRST_BUCKET_BYTES)
+    for n in nodes:
+        chunks[-1].append(n)
+        fqn = joint.grad_of.get(n.name)
+        if fqn is not None:
+            p = joint.params[fqn]
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                chunks.append([])
+                size, cap = 0.0, cap_bytes
+    return [c for c in chunks if c]
+
+
+def _buckets_of(chunks: list[list[fx.Node]], joint: JointGraph, reg: Region) -> dict[str, Any]:
+    """param value -> (region, index of the backward chunk that finishes its gradient)."""
+    return {f"param:{joint.grad_of[n.name]}": (reg, c) for c, chunk in enumerate(chunks)
+            for n in chunk if n.name in joint.grad_of}
+
+
+def _cut_at_bucket_reads(nodes: list[fx.Node], joint: JointGraph, bucket_of: dict[str, Any],
+                         derived: set[str]) -> list[list[fx.Node]]:
+    """Cut a node list where it starts reading parameters of another gradient bucket (ZeRO-3:
+    a piece's buckets are all-gathered just before it and freed after it, so pieces aligned with the
+    buckets gather each bucket once and bound the gathered memory). Pieces are contiguous in graph
+    order, hence never cyclic. In a backward chunk this separates the input gradient through a layer
+    of the previous bucket (it reads that layer's weight) from the layers of the chunk's own bucket."""
+    chunks: list[list[fx.Node]] = [[]]
+    current: Any = None
+    for n in nodes:
+        for b in (bucket_of.get(a) for a in _param_roots(n, derived, joint)):
+            if b is None or b == current:
+                continue
+            if current is not None and chunks[-1]:
+                chunks.append([])
+            current = b
+            break
+        chunks[-1].append(n)
+    return [c for c in chunks if c]
+
+
+def _param_roots(n: fx.Node, derived: set[str], joint: JointGraph) -> list[str]:
+    """Parameter values a node reads directly or through parameter-only ops (transposes, casts)."""
+    out: list[str] = []
+    stack = list(n.all_input_nodes)
+    seen: set[str] = set()
+    while stack:
+        a = stack.pop()
+        if a.name in seen:
+            continue
+        seen.add(a.name)
+        if a.op == "placeholder":
+            v = joint.value_of.get(a.name, "")
+            if v.startswith("param:"):
+                out.append(v)
+        elif a.name in derived:
+            stack.extend(a.all_input_nodes)
+    return out
+
+
+def split_backward(nodes: list[fx.Node], joint: JointGraph, out_node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Cut one region's backward into BI (everything the gradients leaving the region -- input and
+    activation gradients -- depend on) and BW (the rest: weight gradients). Reachability in the joint
+    graph decides; values BW needs from BI become BI outputs when the segments are built."""
+    member = {n.name for n in nodes}
+    roots = [n for n in nodes if n.name not in joint.grad_of
+             and any(u is out_node or u.name not in member for u in n.users)]
+    bi: set[str] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.name in bi:
+            continue
+        bi.add(n.name)
+        stack.extend(a for a in n.all_input_nodes if a.name in member)
+    return [n for n in nodes if n.name in bi], [n for n in nodes if n.name not in bi]
+
+
+BucketBytes = float | Callable[[Region], float | None] | None
+
+
+def _remat_param_rule(joint: JointGraph, keyed: dict[Any, list[fx.Node]], seg_of: dict[str, Any],
+                      region: dict[str, Region], passes: dict[str, str], derived: set[str], bucket_of: dict[str, Any],
+                      chunk_fw: Callable[[Region], bool] | None) -> Callable[[fx.Node, str], bool]:
+    """May a recomputation of kept value ``c`` read parameter ``param``? Always, except in ZeRO-3 regions,
+    where each backward step gathers only the buckets it reads: there only a parameter of a bucket that
+    every backward step reading ``c`` gathers anyway (a layer norm's weight, when its bucket is the one
+    of the linear layer whose weight gradient reads the norm's output)."""
+    if chunk_fw is None:
+        return lambda c, param: True
+    reads: dict[Any, set[Any]] = {}
+
+    def buckets(key: Any) -> set[Any]:
+        if key not in reads:
+            reads[key] = {bucket_of.get(v) for n in keyed[key] for v in _param_roots(n, derived, joint)} - {None}
+        return reads[key]
+
+    def ok(c: fx.Node, param: str) -> bool:
+        if not chunk_fw(region[c.name]):
+            return True
+        b = bucket_of.get(param)
+        readers = {seg_of[u.name] for u in c.users if passes.get(u.name) != "F" and u.name in seg_of}
+        return b is not None and all(b in buckets(k) for k in readers)
+    return ok
+
+
+def _getitems_with_producer(keyed: dict[Any, list[fx.Node]], gm: fx.GraphModule) -> dict[Any, list[fx.Node]]:
+    """Keep every ``getitem`` in the segment of the multi-output op it reads, so no tuple ever crosses a
+    segment boundary (a BI/BW or bucket cut can otherwise fall between e.g. ``native_layer_norm_backward``
+    and the getitems of its weight gradients; Inductor cannot return a tuple from a graph)."""
+    where = {n: k for k, ns in keyed.items() for n in ns}
+    for n, k in list(where.items()):
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            src = where.get(n.args[0])
+            if src is not None and src != k:
+                where[n] = src
+    out: dict[Any, list[fx.Node]] = {k: [] for k in keyed}
+    for n in gm.graph.nodes:  # graph order keeps every segment topologically sorted
+        if n in where:
+            out[where[n]].append(n)
+    return out
