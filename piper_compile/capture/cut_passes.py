@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import bisect
 import operator
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import fx
 
+from piper_compile.pass_runner import run_pass, skipped_passes
 from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region, assign_regions, boundary_kind, param_derived
 from piper_compile.capture.remat import NO_REMAT, RematPlan, plan_remat
-from piper_compile.knobs import knob
 
 Key = tuple[str, Region, int]  # (pass, region, chunk index or -1)
 
@@ -135,16 +133,10 @@ CUT_PASSES: list[tuple[str, Callable[[Cuts], None], bool]] = [
 
 def run_cut_passes(cuts: Cuts) -> Cuts:
     """Every segment pass in order (less the optional ones skipped by name); returns ``cuts``."""
-    skip = set(filter(None, knob("PIPER_SKIP_PASSES").split(",")))
+    skip = skipped_passes()
     for name, fn, optional in CUT_PASSES:
-        if optional and name in skip:
-            continue
-        t0 = time.perf_counter()
-        fn(cuts)
-        cuts.timings[name] = cuts.timings.get(name, 0.0) + time.perf_counter() - t0
-        if knob("PIPER_DEBUG"):
-            print(f"--- piper: segment pieces after {name} ({cuts.timings[name] * 1e3:.1f} ms)\n{_dump(cuts)}",
-                  file=sys.stderr)
+        if not (optional and name in skip):
+            run_pass(name, lambda fn=fn: fn(cuts), cuts.timings, "segment pieces", lambda _: f"\n{_dump(cuts)}")
     return cuts
 
 

@@ -3,10 +3,9 @@ passes. Times every pass, checks what each returns, can dump the DAG after each 
 and skip a lowering pass by name (``PIPER_SKIP_PASSES=a,b``, for debugging only)."""
 from __future__ import annotations
 
-import sys
-import time
 from typing import Callable
 
+from piper_compile.pass_runner import run_pass, skipped_passes
 from piper_compile.directives.spec import Directive, Split
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.passes.context import PassContext
@@ -16,7 +15,6 @@ from piper_compile.passes.expert import apply_shard
 from piper_compile.passes.tensor_parallel import apply_shard_tensor
 from piper_compile.passes.invariants import check_invariants
 from piper_compile.passes.lower import LOWERING_PASSES
-from piper_compile.knobs import knob
 
 Pass = Callable[[TrainingDAG, PassContext], TrainingDAG]
 DIRECTIVE_PASSES[Shard] = apply_shard  # type: ignore[assignment]
@@ -24,14 +22,12 @@ DIRECTIVE_PASSES[ShardTensor] = apply_shard_tensor  # type: ignore[assignment]
 
 
 def _run(name: str, fn: Callable[[], TrainingDAG], ctx: PassContext) -> TrainingDAG:
-    t0 = time.perf_counter()
-    dag = fn()
-    ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - t0
-    if not isinstance(dag, TrainingDAG):
-        raise TypeError(f"piper: internal: pass {name} returned {type(dag).__name__}, not a TrainingDAG")
-    if knob("PIPER_DEBUG"):
-        print(f"--- piper: DAG after {name}: {dag.summary()}\n{dag.to_text()}", file=sys.stderr)
-    return dag
+    def checked() -> TrainingDAG:
+        dag = fn()
+        if not isinstance(dag, TrainingDAG):
+            raise TypeError(f"piper: internal: pass {name} returned {type(dag).__name__}, not a TrainingDAG")
+        return dag
+    return run_pass(name, checked, ctx.timings, "DAG", lambda dag: f"{dag.summary()}\n{dag.to_text()}")
 
 
 Step = Callable[[TrainingDAG], TrainingDAG]
@@ -42,7 +38,7 @@ def pass_steps(directives: list[Directive], ctx: PassContext) -> list[tuple[str,
     directive splits, one ``<directive>#<index>`` per directive, then the lowering passes not skipped with
     ``PIPER_SKIP_PASSES``. Each step takes and returns a DAG, so any one of them runs on a DAG read
     from text (the golden pass tests do)."""
-    skip = set(filter(None, knob("PIPER_SKIP_PASSES").split(",")))
+    skip = skipped_passes()
     ctx.directives = list(directives)
     steps: list[tuple[str, Step]] = []
     if not any(isinstance(d, Split) for d in directives):

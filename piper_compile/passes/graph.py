@@ -6,16 +6,14 @@ dumped after each with ``PIPER_DEBUG=1``, skippable by name with ``PIPER_SKIP_PA
 """
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import fx
 
+from piper_compile.pass_runner import run_pass, skipped_passes
 from piper_compile.directives.spec import Directive, Place, ShardTensor
 from piper_compile.ir.shard import ParamShard
-from piper_compile.knobs import knob
 
 
 @dataclass
@@ -78,14 +76,8 @@ GRAPH_PASSES: list[tuple[str, Callable[[GraphContext], None]]] = [
 
 def run_graph_passes(ctx: GraphContext) -> GraphContext:
     """Every graph pass in order (less those skipped by name); returns ``ctx`` with their results."""
-    skip = set(filter(None, knob("PIPER_SKIP_PASSES").split(",")))
+    skip = skipped_passes()
     for name, fn in GRAPH_PASSES:
-        if name in skip:
-            continue
-        t0 = time.perf_counter()
-        fn(ctx)
-        ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - t0
-        if knob("PIPER_DEBUG"):
-            print(f"--- piper: FX graph after {name} ({ctx.timings[name] * 1e3:.1f} ms)\n{ctx.gm.graph}",
-                  file=sys.stderr)
+        if name not in skip:
+            run_pass(name, lambda fn=fn: fn(ctx), ctx.timings, "FX graph", lambda _: f"\n{ctx.gm.graph}")
     return ctx
