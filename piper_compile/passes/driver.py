@@ -16,7 +16,6 @@ from piper_compile.passes.tensor_parallel import apply_shard_tensor
 from piper_compile.passes.invariants import check_invariants
 from piper_compile.passes.lower import LOWERING_PASSES
 
-Pass = Callable[[TrainingDAG, PassContext], TrainingDAG]
 DIRECTIVE_PASSES[Shard] = apply_shard  # type: ignore[assignment]
 DIRECTIVE_PASSES[ShardTensor] = apply_shard_tensor  # type: ignore[assignment]
 

@@ -55,18 +55,19 @@ def still_read(program: "Program", pos: int, k: int, done: Container[int]) -> se
 
 
 def reorder_problem(program: "Program", pos: int, k: int, need: dict[int, tuple[str, ...]],
-                    how: str, ran: Container[int] = ()) -> str | None:
+                    how: str, ran: Container[int] = (), at: dict[str, int] | None = None) -> str | None:
     """Why compute step ``k`` may not run before instruction ``pos`` as its overlap partner (``how`` =
     "partner") or as a filler ("filler") once the steps at positions ``ran`` (between them) have run
     early; None when it may. Both: ``k`` is a later compute step, reads nothing produced from ``pos`` up
     to it by a step that has not run, and needs only communication issued before ``pos`` (else it would
     wait for something this rank has not issued yet: a deadlock). A partner and ``pos`` do not both add
     into gradients or both into the loss; a filler adds into nothing the steps it jumps add into, and
-    jumps only instructions whose op allows it (``jumpable``)."""
+    jumps only instructions whose op allows it (``jumpable``). ``at``: ``program.positions()``, if the
+    caller has it already."""
     instrs = program.instrs
     if not pos < k < len(instrs) or k not in need:
         return f"{_at(program, k)} is not a compute step after {_at(program, pos)}"
-    at = {ins.name: m for m, ins in enumerate(instrs)}
+    at = program.positions() if at is None else at
     late = [w for w in need[k] if at.get(w, len(instrs)) >= pos]
     if late:
         return (f"{_at(program, k)} needs {late[0]}, which rank {program.rank} issues only at or after "
@@ -96,9 +97,9 @@ def _at(program: "Program", k: int) -> str:
 def _partners(program: "Program", need: dict[int, tuple[str, ...]]) -> dict[int, int]:
     """compute position -> the next compute step, where that one may run first if this one's input is
     late (this one waits for communication, and ``reorder_problem`` accepts the pair)."""
-    computes = [k for k in need]
+    computes, at = list(need), program.positions()
     return {a: b for a, b in zip(computes, computes[1:])
-            if program.instrs[a].waits and reorder_problem(program, a, b, need, "partner") is None}
+            if program.instrs[a].waits and reorder_problem(program, a, b, need, "partner", at=at) is None}
 
 
 Filler = tuple[int, tuple[int, ...]]  # (position, positions of the reordered steps it needs to have run first)
@@ -113,7 +114,7 @@ def _fillers(program: "Program", window: int, need: dict[int, tuple[str, ...]],
     instrs = program.instrs
     read = {v for ins in instrs for v in ins.node.inputs}
     sinks = {k for k in need if accumulates(instrs[k]) and not set(instrs[k].node.outputs) & read}
-    computes = list(need)
+    computes, at = list(need), program.positions()
     out: dict[int, tuple[Filler, ...]] = {}
     for idx, pos in enumerate(computes):
         if not instrs[pos].waits or not window:
@@ -123,7 +124,7 @@ def _fillers(program: "Program", window: int, need: dict[int, tuple[str, ...]],
         found: list[Filler] = []
         for k in (k for k in ahead if k in sinks):
             first = tuple(m for m in early if m < k and _conflict(instrs[m], instrs[k]))
-            if reorder_problem(program, pos, k, need, "filler", first) is None:
+            if reorder_problem(program, pos, k, need, "filler", first, at) is None:
                 found.append((k, first))
                 early.append(k)
         if found:
@@ -153,12 +154,12 @@ def record_reorders(program: "Program", window: int) -> "Program":
 def check_reorders(program: "Program") -> None:
     """Raise ``PiperPlanError`` if a recorded partner or filler is one ``reorder_problem`` refuses."""
     need = needs(program)
-    at = {ins.name: k for k, ins in enumerate(program.instrs)}
+    at = program.positions()
     for pos, ins in enumerate(program.instrs):
         recorded = [(ins.partner, "partner", ())] if ins.partner else []
         recorded += [(f, "filler", first) for f, first in ins.fillers]
         for name, how, first in recorded:
-            why = reorder_problem(program, pos, at.get(name, -1), need, how, {at.get(m, -1) for m in first})
+            why = reorder_problem(program, pos, at.get(name, -1), need, how, {at.get(m, -1) for m in first}, at)
             if why is not None:
                 role = "an overlap partner" if how == "partner" else "a filler"
                 raise PiperPlanError(f"piper: rank {program.rank}'s program records {name} as {role} of "

@@ -191,18 +191,21 @@ class _Sim:
         (the executor's rule); None: undecided (a need's completion is not simulated yet)."""
         ins, at, taken = p.instrs[self.pcs[r]], self.at[r], set(self.early[r])
         out: list[int] = []
+        if ins.partner and cur < ready:  # the partner: once, if its communication is complete
+            decided, k = self._first_complete(r, [(at[ins.partner], ())], taken, cur)
+            if not decided:
+                return None
+            if k is not None:
+                out.append(k)
+                taken.add(k)
+                cur += self.cost.duration(p.instrs[k], r)
         fillers = [(at[f], tuple(at[a] for a in after)) for f, after in ins.fillers]
-        partner = [(at[ins.partner], ())] if ins.partner else []
-        for ks in (partner, *([fillers] * len(fillers))):
-            if cur >= ready:
-                break
-            decided, k = self._first_complete(r, ks, taken, cur)
+        while cur < ready:  # then fillers, nearest first, re-checked at each new time
+            decided, k = self._first_complete(r, fillers, taken, cur)
             if not decided:
                 return None
             if k is None:
-                if ks is fillers:
-                    break
-                continue  # the partner's input is late too: fillers may still run
+                break
             out.append(k)
             taken.add(k)
             cur += self.cost.duration(p.instrs[k], r)
