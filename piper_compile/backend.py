@@ -129,7 +129,7 @@ class CompiledStep:
     def _capture(self) -> None:
         fakes = self._graph_passes()
         try:
-            self.joint = capture_joint(self.gm, self.example_inputs, self.sources, fakes)
+            self.joint = capture_joint(self.gm, self.example_inputs, self.sources, fakes, self.options.precision)
         except PiperError as e:
             if fakes is None:
                 raise
@@ -150,6 +150,7 @@ class CompiledStep:
                                                              chunk_fw if zero3 else None, self.options.remat,
                                                              self.graph_timings)}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
+        self.state.adopt_precision(self.options.precision)
         self.state.steps.append(self)
         self.example_inputs = []  # drop references to the first batch
 
@@ -285,6 +286,7 @@ class CompiledStep:
         other._bindings = {}
         other._local = None
         other.state = state_for(list(params.values()), self.options.optimizer)
+        other.state.adopt_precision(self.options.precision)
         other.state.steps.append(other)
         return other
 

@@ -13,9 +13,10 @@ import torch
 from piper_compile.directives.spec import Directive, Replicate, parse_directives
 from piper_compile.errors import PiperError
 from piper_compile.knobs import KNOBS, knob
+from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
-                         "overlap_streams", "reorder_window"})
+                         "overlap_streams", "reorder_window", "mixed_precision"})
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Options:
     remat: bool = True  # recompute cheap activations in the backward instead of keeping them (capture/remat.py)
     overlap_streams: bool = True  # CUDA: an overlap slot's two compute steps on two streams (runtime/executor.py)
     reorder_window: int = 8  # gloo: compute steps ahead a waiting step may let run first (plan/reorder.py)
+    precision: Precision = Precision()  # options["mixed_precision"] (precision.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -49,7 +51,7 @@ class Options:
                          "the backward instead of keeping them"),
                    _flag(options, "overlap_streams", "on CUDA, run the two compute steps of an overlap slot on "
                          "two streams"),
-                   _window(options))
+                   _window(options), Precision.parse(options.get("mixed_precision"), opt is not None))
 
 
 def _optimizer(opt: Any) -> Callable[..., torch.optim.Optimizer] | None:

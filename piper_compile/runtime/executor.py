@@ -88,7 +88,9 @@ class Executor:
         self.max_norm = norm.max_norm if norm is not None else 0.0  # options["clip_grad_norm"]
         self.update = program.update_node()
         val = joint.gm.graph.find_nodes(op="output")[0].args[0][0].meta.get("val")
-        self.loss_dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+        computed = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+        self.tangent_dtype = computed  # the seed of each micro-batch's backward
+        self.loss_dtype = state.precision.loss_dtype(computed)  # what the loss is summed and returned in
         # the reorderings the plan recorded (plan/reorder.py): overlap partners, and -- where waits block
         # the host (gloo) -- fillers, sink steps that run while a step's input is in flight
         self._needs = needs(program)

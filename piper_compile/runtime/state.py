@@ -13,6 +13,7 @@ from torch import nn
 from piper_compile.errors import PiperError
 from piper_compile.ir.ops import Update
 from piper_compile.ir.shard import ParamShard
+from piper_compile.precision import Precision
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
 from piper_compile.runtime.shards import LocalShard
@@ -50,6 +51,16 @@ class TrainState:
         self.index = 0  # creation order in this process (runtime/registry.py): part of the call check
         self.from_module = False  # made by the API for a module before its first call
         self.calls = 0  # collective calls of this model's steps so far (the call check compares them)
+        self.precision = Precision()  # options["mixed_precision"]: the compute copies' dtype
+        self._copies: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}  # fqn -> (source version, copy)
+        self.updates = 0  # optimizer steps so far (a compute copy made before the last one is stale)
+
+    def adopt_precision(self, precision: Precision) -> None:
+        """The mixed-precision policy this model trains with (every compiled variant must agree)."""
+        if self.steps and precision != self.precision:
+            raise PiperError(f"piper: this model is compiled twice with different options['mixed_precision'] "
+                             f"({self.precision} vs {precision}); compile it once, or with the same policy")
+        self.precision = precision
 
     @property
     def is_plain(self) -> bool:
@@ -98,7 +109,8 @@ class TrainState:
         """The ZeRO state from the layout, laid out over what this rank trains: its pieces of tensor-parallel
         layers (ZeRO-1 with shard_tensor), else the parameters. Rebuilt while not sharded yet, as pieces
         appear (the ZeRO layout is adopted first)."""
-        self.zero = ZeroState.build(self.zero_layout, {**self.named, **self.local_params()}, rank)
+        self.zero = ZeroState.build(self.zero_layout, {**self.named, **self.local_params()}, rank,
+                                    self.precision.param_dtype)
 
     @property
     def experts(self) -> dict[str, tuple[nn.Parameter, slice]]:
@@ -110,6 +122,21 @@ class TrainState:
         parameter itself."""
         s = self.shards.get(fqn)
         return full if s is None else s.param
+
+    def compute_param(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """What a compute step reads for parameter ``fqn``: ``local_param``, or under mixed precision its
+        compute copy, cast once after each change of the master weight (the optimizer's in-place update,
+        a ZeRO gather into it or a checkpoint load bump its version) and kept until the next one."""
+        t = self.local_param(fqn, full)
+        if not self.precision.active or not t.is_floating_point():
+            return t
+        key = (self.updates, t._version, t.data_ptr())
+        have = self._copies.get(fqn)
+        if have is not None and have[0] == key:
+            return have[1]
+        copy = t.detach().to(self.precision.compute(t))
+        self._copies[fqn] = (key, copy)
+        return copy
 
     def local_params(self) -> dict[str, nn.Parameter]:
         """Every local shard (expert and tensor parallel) by FQN."""
@@ -277,5 +304,6 @@ class TrainState:
         for p, g in pairs:
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         step_checked(opt, [p for p, _ in pairs])  # raises if the first update with a nonzero gradient moved nothing
+        self.updates += 1
         for p, _ in pairs:
             p.grad = None

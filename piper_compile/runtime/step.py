@@ -96,15 +96,16 @@ class Step:
             raise PiperRuntimeError(f"piper: internal: rank {self.rank} has no value {name}")
         args = self.args
         if spec.kind == PARAM:  # segments run under no_grad: no autograd graph is built
-            return self.state.local_param(spec.name, args[spec.arg_index])  # an expert shard under EP
+            # an expert / tensor-parallel shard, or under mixed precision its compute copy
+            return self.state.compute_param(spec.name, args[spec.arg_index])
         if spec.kind == BUFFER:
             return args[spec.arg_index]
         if spec.kind == TANGENT:  # this rank's share of the global batch, per micro-batch loss
-            return torch.full((), self.weights().seed, dtype=self.loss_sum.dtype, device=self.device)
+            return torch.full((), self.weights().seed, dtype=self.ex.tangent_dtype, device=self.device)
         if spec.kind == SYM:
             return self.mb_size if spec.batched else int(args[spec.arg_index])
         assert spec.kind == INPUT
-        x = args[spec.arg_index]
+        x = args[spec.arg_index] if spec.cast_to is None else args[spec.arg_index].to(spec.cast_to)
         return x.narrow(0, mb * self.mb_size, self.mb_size) if spec.batched and mb is not None else x
 
     def put(self, v: str, t: Any, gathered: bool = False, count: bool = True) -> None:

@@ -68,6 +68,7 @@ class ShardBucket:
     in_flight: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> reduce-scatter output
     done: dict[int, torch.Tensor] = field(default_factory=dict)  # finished, waiting for earlier micro-batches
     next_mb: int = 0  # the next micro-batch to fold into grad_shard (folds happen in micro-batch order)
+    compute_dtype: torch.dtype | None = None  # mixed precision: ZeRO-3 gathers the parameters in this dtype
 
     @property
     def world(self) -> int:
@@ -107,7 +108,9 @@ class ZeroState:
     sharded: bool = False
 
     @classmethod
-    def build(cls, layout: Layout, params: dict[str, nn.Parameter], rank: int) -> "ZeroState":
+    def build(cls, layout: Layout, params: dict[str, nn.Parameter], rank: int,
+              compute_dtype: torch.dtype | None = None) -> "ZeroState":
+        """This rank's buckets of ``layout``; ``compute_dtype`` (mixed precision): what ZeRO-3 gathers."""
         st = cls()
         for name, (fqns, devices, level, stream) in layout.items():
             ps = [params[f] for f in fqns]
@@ -120,7 +123,8 @@ class ZeroState:
                 offsets.append(off)
                 off += p.numel()
             st.buckets[name] = ShardBucket(name, tuple(fqns), tuple(devices), level, stream, devices.index(rank),
-                                           [p.shape for p in ps], offsets, off, ps[0].dtype, ps[0].device)
+                                           [p.shape for p in ps], offsets, off, ps[0].dtype, ps[0].device,
+                                           compute_dtype=compute_dtype if ps[0].is_floating_point() else None)
         return st
 
     def shard_(self, params: dict[str, nn.Parameter]) -> None:
@@ -146,9 +150,11 @@ class ZeroState:
         self.sharded = True
 
     # -- gathering -------------------------------------------------------------------------------
-    def gather_input(self, b: ShardBucket) -> torch.Tensor:
+    def gather_input(self, b: ShardBucket, compute: bool = False) -> torch.Tensor:
+        """This rank's shard as the gather sends it: in the parameters' dtype, or (``compute``, for the
+        step's own gathers) in the mixed-precision compute dtype."""
         assert b.shard is not None
-        return b.shard.detach().to(b.dtype)
+        return b.shard.detach().to(b.compute_dtype if compute and b.compute_dtype is not None else b.dtype)
 
     def post_update_gather(self, name: str, group: Any) -> Any:
         """ZeRO-1/2: the updated shard into every replica's full flat parameters."""
@@ -162,8 +168,9 @@ class ZeroState:
     def gather(self, name: str, group: Any) -> tuple[torch.Tensor, Any]:
         """ZeRO-3: a fresh full flat buffer of the bucket (async); the caller takes views of it."""
         b = self.buckets[name]
-        out = torch.empty(b.padded, dtype=b.dtype, device=b.device)
-        return out, all_gather(out, self.gather_input(b), group)
+        inp = self.gather_input(b, compute=True)
+        out = torch.empty(b.padded, dtype=inp.dtype, device=b.device)
+        return out, all_gather(out, inp, group)
 
     def full_flat(self, name: str, groups: Any) -> torch.Tensor:
         """The bucket's full flat parameters: ZeRO-1/2 hold them; ZeRO-3 all-gathers them (blocking, a

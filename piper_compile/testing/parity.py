@@ -2,6 +2,8 @@
 single-process run on the same global batch (losses every step, parameters at the end)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from piper_compile.precision import Precision
 from piper_compile.testing.models import build_model
 
 
@@ -30,6 +33,15 @@ class RunConfig:
     clip_grad_norm: float | None = None
     tp: int = 1  # tensor-parallel group size: consecutive ranks of a group share one replica's batch
     batches: tuple[int, ...] | None = None  # per-replica local batch sizes (uneven); default local_batch each
+    mixed_precision: Any = None  # options["mixed_precision"]; the reference computes in the same dtypes
+
+    def pieces(self, world: int) -> int:
+        """How many micro-batches the global batch is cut into (replicas x the ``split`` count)."""
+        m = next((d["num_microbatches"] for d in self.directives if isinstance(d, dict) and d.get("op") == "split"), 1)
+        return self.dp_degree(world) * m
+
+    def precision(self) -> Precision:
+        return Precision.parse(self.mixed_precision, self.optimizer is not None)
 
     def replica_of(self, rank: int, world: int) -> int:
         for d in self.directives:
@@ -86,6 +98,8 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     options = {"directives": cfg.directives, "optimizer": piper_opt, "codegen": cfg.codegen}
     if cfg.clip_grad_norm is not None:
         options["clip_grad_norm"] = cfg.clip_grad_norm
+    if cfg.mixed_precision is not None:
+        options["mixed_precision"] = cfg.mixed_precision
     step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
     user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
     sched = cfg.make_scheduler(piper.optimizer(step)) if cfg.scheduler else None
@@ -121,6 +135,64 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
             "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback), "tp_partial": sorted(cs.tp_partial)}
 
 
+class ComputeCopy:
+    """Eager mixed precision as piper defines it (``precision.py``), written once for every test: the
+    model holds the fp32 master weights the optimizer steps; each step a copy of its floating parameters
+    in ``param_dtype`` computes the loss (inputs cast too) and its gradients come back into the master
+    parameters' ``.grad`` in fp32. ``chunks``: the global batch is cut as piper cuts it (one piece per
+    replica and micro-batch, ``RunConfig.pieces``), each piece's backward seeded with its share of the
+    mean in the compute dtype and its gradients summed in fp32 per replica, the ``replicas`` sums then
+    added in ``reduce_dtype``, so that bf16 rounding happens where it happens in piper. Without a policy: the model itself, plain ``loss.backward()``."""
+
+    def __init__(self, model: nn.Module, precision: Precision, chunks: int = 1, replicas: int = 1) -> None:
+        self.master, self.precision, self.chunks, self.replicas = model, precision, chunks, replicas
+        self.copy = copy.deepcopy(model) if precision.active else model
+        if precision.active:
+            for p in self.copy.parameters():
+                p.data = p.data.to(precision.compute(p))
+
+    def evaluate(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The loss of a forward-only call (under no_grad), computed as a training step computes it."""
+        if not self.precision.active:
+            return self.master(*batch)
+        with torch.no_grad():
+            for c, m in zip(self.copy.parameters(), self.master.parameters()):
+                c.copy_(m)
+        loss = self.copy(*(self.precision.cast_input(t) for t in batch))
+        return loss.to(self.precision.loss_dtype(loss.dtype))
+
+    def loss_and_grads(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if not self.precision.active:
+            loss = self.master(*batch)
+            loss.backward()
+            return loss
+        with torch.no_grad():
+            for c, m in zip(self.copy.parameters(), self.master.parameters()):
+                c.copy_(m)
+        total = torch.zeros((), dtype=torch.float64)
+        n = batch[0].shape[0]
+        per_replica: list[list[torch.Tensor | None]] = []
+        for k, rows in enumerate(torch.arange(n).chunk(self.chunks)):  # as piper splits: replicas, micro-batches
+            if k % (self.chunks // self.replicas) == 0:
+                per_replica.append([None] * len(list(self.master.parameters())))
+            for c in self.copy.parameters():
+                c.grad = None
+            loss = self.copy(*(self.precision.cast_input(t[rows]) for t in batch))
+            weight = len(rows) / n  # the micro-batch's share of the global mean, seeded in the compute dtype
+            loss.backward(torch.full((), weight, dtype=loss.dtype))
+            total += weight * loss.detach().double()
+            acc = per_replica[-1]
+            for i, (c, m) in enumerate(zip(self.copy.parameters(), self.master.parameters())):  # summed in fp32
+                if c.grad is not None:
+                    acc[i] = c.grad.to(m.dtype) if acc[i] is None else acc[i].add_(c.grad)
+        for i, m in enumerate(self.master.parameters()):  # the replicas' sums reduced in reduce_dtype
+            parts = [r[i] for r in per_replica if r[i] is not None]
+            if parts:
+                red = self.precision.reduce(m.dtype)
+                m.grad = functools.reduce(torch.add, [g.to(red) for g in parts]).to(m.dtype)
+        return total.to(self.precision.loss_dtype(loss.dtype))
+
+
 def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     """Single-process eager training on the concatenation of all replicas' batches."""
     model = _model(cfg)
@@ -128,11 +200,11 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     sched = cfg.make_scheduler(opt)
     total = sum(cfg.replica_batches(world))
     losses, norms = [], []
+    compute = ComputeCopy(model, cfg.precision(), cfg.pieces(world), cfg.dp_degree(world))
     for s in range(cfg.steps):
         batch = _global_batch(model, cfg, s, total)
-        loss = model(*batch)
         opt.zero_grad()
-        loss.backward()
+        loss = compute.loss_and_grads(batch)
         if cfg.clip_grad_norm is not None:  # the norm before clipping (tests check that clipping happened)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)))
         opt.step()
@@ -142,7 +214,7 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     eval_loss = None
     if cfg.no_grad_eval:
         with torch.no_grad():
-            eval_loss = model(*_global_batch(model, cfg, cfg.steps, total)).item()
+            eval_loss = compute.evaluate(_global_batch(model, cfg, cfg.steps, total)).item()
     return {"losses": losses, "params": [p.detach().cpu().clone() for p in model.parameters()],
             "eval_loss": eval_loss, "grad_norms": norms}
 
@@ -172,4 +244,46 @@ def run_parity(cfg: RunConfig, world: int, rtol: float = 1e-5, atol: float = 1e-
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     results = run_local(piper_worker, world, cfg, backend=backend) if world > 1 else [piper_worker(0, 1, cfg)]
     assert_parity(results, eager_reference(cfg, world), rtol, atol)
+    return results
+
+
+def update_error(params: dict[int, torch.Tensor], ref: list[torch.Tensor], init: list[torch.Tensor]) -> float:
+    """Relative L2 distance of the parameter updates (after - before) of ``params`` (by position) from
+    those of ``ref``, over the parameters ``params`` holds."""
+    num = sum(float(((params[k] - init[k]) - (ref[k] - init[k])).norm() ** 2) for k in params)
+    den = sum(float((ref[k] - init[k]).norm() ** 2) for k in params)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def run_mixed_parity(cfg: RunConfig, world: int, max_err: float = 2e-5, closer: float = 1e-3,
+                     loss_tol: float = 1e-5) -> list[dict[str, Any]]:
+    """A mixed-precision run against the eager reference computing in the same dtypes (``ComputeCopy``).
+
+    Why these tolerances: the reference rounds to bf16 where piper does (per micro-batch, per replica,
+    in the reduction), so the two differ only by fp32 summation order (~1e-7), which a bf16 compute copy
+    can round to one bf16 step in a few elements. Against one whole-batch bf16 step or fp32 training
+    the distance is 2-10% (bf16 keeps 8 significant bits, and AdamW turns that noise into sign flips on
+    near-zero gradients). So: losses agree within ``loss_tol``; parameter updates (after - before,
+    relative L2) are within ``max_err`` of the reference's and ``closer`` times nearer to it than to fp32
+    training (a run that silently computed in fp32, or reduced in fp32 when asked for bf16, fails);
+    master weights stay fp32. Inductor's bf16 kernels keep fused intermediates in fp32, so its runs
+    pass looser bounds."""
+    from piper_compile.testing.launch import run_local
+
+    results = run_local(piper_worker, world, cfg) if world > 1 else [piper_worker(0, 1, cfg)]
+    ref = eager_reference(cfg, world)
+    ref32 = eager_reference(dataclasses.replace(cfg, mixed_precision=None), world)
+    init = [p.detach().cpu() for p in _model(cfg).parameters()]
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=loss_tol, atol=0.0,
+                                   msg=lambda m, rank=rank: f"rank {rank} losses differ: {m}")
+        assert all(p.dtype == init[k].dtype for k, p in r["params"].items()), f"rank {rank}: master weights changed dtype"
+        err, err32 = update_error(r["params"], ref["params"], init), update_error(r["params"], ref32["params"], init)
+        assert err <= max_err and err <= closer * err32, (
+            f"rank {rank}: parameter updates {err:.4f} from the mixed-precision reference (bound {max_err}) and "
+            f"{err32:.4f} from fp32 training (must be at least {1 / closer:.2f}x farther)")
+        r["update_error"], r["update_error_fp32"] = err, err32
+        print(f"rank {rank}: update error {err:.2e} (fp32 training: {err32:.2e})")
+    covered = {k for r in results for k in r["params"]}
+    assert covered == set(range(len(init))), f"parameters {sorted(set(range(len(init))) - covered)} were updated by no rank"
     return results

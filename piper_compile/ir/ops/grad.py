@@ -6,6 +6,8 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 from piper_compile.ir.kind import Kind
 from piper_compile.ir.ops.base import Collective, Op
 
@@ -53,7 +55,13 @@ class GradReduce(Collective):
             return
         t = rt.grads.bucket(self.bucket)
         group = self.members(ins.node, rt.rank)
-        rt.issue(ins, pos, rt.all_reduce(t, ins.node.stream, group) if len(ins.node.devices) > 1 else None)
+        if len(ins.node.devices) == 1:
+            rt.issue(ins, pos, None)
+            return
+        low = _in_reduce_dtype(rt, t)
+        if low is not t:  # options["mixed_precision"]["reduce_dtype"]: back into the fp32 buffer once done
+            rt.on_finish(ins.node.name, functools.partial(t.copy_, low))
+        rt.issue(ins, pos, rt.all_reduce(low, ins.node.stream, group))
 
     def _reduce_scatter(self, rt: Any, ins: "Instr") -> Any:
         """ZeRO-2/3: the bucket's summed gradient, this rank's shard only; the full buffer is released.
@@ -64,16 +72,26 @@ class GradReduce(Collective):
         rt.retire_kept()
         zero = rt.state.zero
         full = rt.grads.bucket(self.bucket)
-        if self.per_microbatch:  # one of several per step: summed into the shard when it finishes
-            out = zero.partial_shard(self.bucket, self.mb)
-            rt.on_finish(ins.node.name, functools.partial(zero.fold, self.bucket, self.mb))
-        else:
-            out = zero.shard_grad(self.bucket, None)
-        rt.keep(ins.node.name, full)  # alive until the reduce-scatter completes
+        out = zero.partial_shard(self.bucket, self.mb) if self.per_microbatch else zero.shard_grad(self.bucket, None)
+        then = [functools.partial(zero.fold, self.bucket, self.mb)] if self.per_microbatch else []
+        sent, got = _in_reduce_dtype(rt, full), out
+        if sent is not full:  # reduce_dtype: scatter the low-precision copy, then into the fp32 shard
+            got = torch.empty(out.shape, dtype=sent.dtype, device=out.device)
+            then.insert(0, functools.partial(out.copy_, got))
+        if then:  # one of several per step: summed into the shard when it finishes
+            rt.on_finish(ins.node.name, lambda: [f() for f in then])
+        rt.keep(ins.node.name, sent)  # alive until the reduce-scatter completes
         rt.grads.release(self.bucket)
-        work = reduce_scatter(out, full, rt.group(ins.node.stream, ins.node.devices))
-        rt.note_grad_bytes(extra=full)
+        work = reduce_scatter(got, sent, rt.group(ins.node.stream, ins.node.devices))
+        rt.note_grad_bytes(extra=sent)
         return work
+
+
+def _in_reduce_dtype(rt: Any, grad: Any) -> Any:
+    """``grad`` as the reduction sends it: itself, or a copy in ``options["mixed_precision"]``'s
+    ``reduce_dtype`` (bf16 halves the bytes; the sum comes back into the full-precision buffer)."""
+    want = rt.state.precision.reduce(grad.dtype)
+    return grad if want == grad.dtype else grad.to(want)
 
 
 class _ScalarAllReduce(Collective):

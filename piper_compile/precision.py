@@ -1,0 +1,119 @@
+"""``options["mixed_precision"]``: which dtypes a step computes, reduces and returns in.
+
+The vocabulary is FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy`` (``param_dtype``,
+``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``); a dict with the same keys, dtypes
+written as ``torch.bfloat16`` or ``"bf16"`` / ``"fp16"`` / ``"fp32"``, is accepted too.
+
+What each field means in piper (one place: the capture, the runtime and the tests read it here):
+
+- ``param_dtype``: the dtype of the *compute copy* of every floating parameter. The model's parameters
+  (the master weights), their gradients accumulated across micro-batches and the optimizer state stay
+  in the parameters' own dtype (fp32); the step is captured with the parameters in ``param_dtype``, so
+  activations, stage-to-stage traffic and ZeRO-3 gathers move ``param_dtype`` bytes.
+- ``reduce_dtype``: the dtype gradients are reduced in across data-parallel replicas. Unlike FSDP2
+  (whose default is ``param_dtype``), piper's default is the gradient's own dtype (fp32): a lossy
+  reduction is something to ask for, e.g. ``reduce_dtype="bf16"`` halves the bytes.
+- ``output_dtype``: the dtype of the returned loss (default fp32, whatever the compute dtype).
+- ``cast_forward_inputs``: floating tensors passed to the forward (not 0-d ones) are cast to
+  ``param_dtype`` (default True).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from piper_compile.errors import PiperError
+
+_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+_HOW = ("pass options['mixed_precision'] = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+        "or {'param_dtype': 'bf16', 'reduce_dtype': 'fp32'}")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A checked mixed-precision policy; ``Precision()`` is full precision (nothing is cast)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Whether parameters get a compute copy in another dtype."""
+        return self.param_dtype is not None
+
+    def compute(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype ``t`` (a floating parameter, or an input) is computed in."""
+        return self.param_dtype if self.param_dtype is not None and t.is_floating_point() else t.dtype
+
+    def cast_input(self, t: Any) -> Any:
+        """A floating tensor argument of the forward in the compute dtype (under ``cast_forward_inputs``;
+        0-d tensors are left alone: Dynamo passes Python floats as such, and they are not activations)."""
+        if not (self.cast_forward_inputs and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim()):
+            return t
+        return t.to(self.compute(t))
+
+    def loss_dtype(self, computed: torch.dtype) -> torch.dtype:
+        """The dtype the step sums and returns its loss in."""
+        if self.output_dtype is not None:
+            return self.output_dtype
+        return torch.float32 if self.active else computed
+
+    def reduce(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of ``grad_dtype`` are reduced in."""
+        return self.reduce_dtype if self.reduce_dtype is not None else grad_dtype
+
+    @classmethod
+    def parse(cls, raw: Any, has_optimizer: bool) -> "Precision":
+        """``options["mixed_precision"]`` (None, a ``MixedPrecisionPolicy`` or a dict), checked."""
+        if raw is None:
+            return cls()
+        fields = _fields_of(raw)
+        dtypes = {k: _dtype(k, fields.get(k)) for k in _FIELDS[:3]}
+        cast = fields.get("cast_forward_inputs", True)
+        if not isinstance(cast, bool):
+            raise PiperError(f"piper: options['mixed_precision']['cast_forward_inputs'] must be True or False, "
+                             f"got {cast!r}")
+        if dtypes["param_dtype"] == torch.float16:
+            raise PiperError(
+                "piper: options['mixed_precision']: param_dtype=float16 needs dynamic loss scaling (fp16 overflows "
+                "where bf16 does not), which piper does not run yet; use param_dtype='bf16' (same bytes, fp32's "
+                "range)" + ("" if has_optimizer else ", with options['optimizer'] (piper keeps the fp32 master "
+                            "weights and steps them)"))
+        if dtypes["param_dtype"] is not None and not has_optimizer:
+            raise PiperError(
+                "piper: options['mixed_precision'] keeps fp32 master weights that piper's optimizer steps after "
+                "each call, so it needs options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
+        return cls(dtypes["param_dtype"], dtypes["reduce_dtype"], dtypes["output_dtype"], cast)
+
+
+def _fields_of(raw: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if isinstance(raw, MixedPrecisionPolicy):
+        return {k: getattr(raw, k) for k in _FIELDS}
+    if not isinstance(raw, dict):
+        raise PiperError(f"piper: options['mixed_precision'] must be a MixedPrecisionPolicy or a dict, got "
+                         f"{type(raw).__name__}; {_HOW}")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise PiperError(f"piper: options['mixed_precision'] has unknown key(s) {unknown}; it takes {list(_FIELDS)}")
+    return dict(raw)
+
+
+def _dtype(key: str, value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    dtype = _NAMES.get(value.lower()) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype):
+        raise PiperError(f"piper: options['mixed_precision'][{key!r}] = {value!r} is not a dtype; write "
+                         f"torch.bfloat16 or one of {sorted(_NAMES)}")
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise PiperError(f"piper: options['mixed_precision'][{key!r}] = {dtype} is not a training dtype; use "
+                         "torch.bfloat16, torch.float16 or torch.float32")
+    return dtype

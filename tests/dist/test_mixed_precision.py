@@ -1,0 +1,69 @@
+"""options["mixed_precision"] on real gloo ranks against eager training in the same dtypes
+(``testing/parity.ComputeCopy``: fp32 master weights, a bf16 compute copy), AdamW, 3 steps. Why the
+tolerances are what they are: ``testing/parity.run_mixed_parity``. The reference cuts the batch into
+the same micro-batches as each strategy (``ComputeCopy``), so the bf16 roundings happen at the same
+points and the runs agree to ~1e-7."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piper_compile as piper
+from piper_compile.testing.parity import RunConfig, run_mixed_parity
+
+pytestmark = pytest.mark.slow
+
+ADAMW = ("AdamW", {"lr": 1e-3, "weight_decay": 0.01})
+BF16 = {"param_dtype": "bf16"}
+
+
+def _pp_dp(zero: int, m: int = 4) -> list:
+    return [*piper.pipeline(2, ranks=[[0, 2], [1, 3]]), piper.split(m), *piper.schedules.one_f_one_b(2, m),
+            piper.replicate({"PP": "*"}, zero=zero, bucket_mb=0.01)]
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_dp2_zero_gpt_bf16(zero: int):
+    cfg = RunConfig(model="gpt", directives=[piper.replicate(zero=zero, bucket_mb=0.01), piper.split(2)],
+                    steps=3, optimizer=ADAMW, local_batch=4, mixed_precision=BF16)
+    run_mixed_parity(cfg, 2)
+
+
+def test_dp2_zero3_bf16_reduce():
+    """reduce_dtype bf16: the reduce-scatter moves bf16. The reference rounds each replica's sum to bf16
+    before adding them; a run that reduced in fp32 instead misses it by ~1e-2 and fails."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    cfg = RunConfig(model="gpt", directives=[piper.replicate(zero=3, bucket_mb=0.01)], steps=3, optimizer=ADAMW,
+                    local_batch=4, mixed_precision=policy)
+    run_mixed_parity(cfg, 2)
+
+
+def test_pp2_1f1b_bf16():
+    cfg = RunConfig(model="gpt", stages=2, local_batch=8, steps=3, optimizer=ADAMW, mixed_precision=BF16,
+                    directives=[*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)])
+    res = run_mixed_parity(cfg, 2)
+    assert res[0]["p2p"] > 0
+
+
+def test_pp2_x_dp2_zero3_bf16():
+    cfg = RunConfig(model="gpt", stages=2, local_batch=8, directives=_pp_dp(3), steps=3, optimizer=ADAMW,
+                    mixed_precision=BF16)
+    run_mixed_parity(cfg, 4)
+
+
+def test_dp2_bf16_all_reduce_in_bf16():
+    cfg = RunConfig(model="mlp", directives=[piper.replicate(bucket_mb=0.001)], steps=3, optimizer=ADAMW,
+                    mixed_precision={"param_dtype": "bf16", "reduce_dtype": "bf16"})
+    run_mixed_parity(cfg, 2)
+
+
+def test_inductor_bf16_single_rank():
+    """The compiled segments in bf16. Inductor's bf16 kernels keep fused intermediates (and its
+    decomposed norms and softmax) in fp32, so they do not round where eager does: 4-5% from eager bf16
+    and 7-8% from fp32 training here. The bounds still fail a run that computed in fp32 (0% from fp32)."""
+    cfg = RunConfig(model="gpt", directives=[piper.split(2)], steps=3, optimizer=ADAMW, mixed_precision=BF16,
+                    codegen="inductor")
+    res = run_mixed_parity(cfg, 1, max_err=0.06, closer=0.75, loss_tol=2**-6)
+    assert not res[0]["fallbacks"]
