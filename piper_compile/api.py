@@ -1,20 +1,18 @@
 """User-facing helpers that act on a compiled step (``torch.compile(model, backend="piper")``)."""
 from __future__ import annotations
 
-import contextlib
-import types
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from piper_compile.backend import CompiledStep
 from piper_compile.options import Options
-from piper_compile.capture.joint import source_names
+from piper_compile.capture.dynamo import trace
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
-from piper_compile.runtime.registry import state_of_module
+from piper_compile.runtime.registry import link, state_of_module
 
 
 def _module_of(step: Any) -> nn.Module:
@@ -120,37 +118,6 @@ class StaticPlan:
         return "\n".join(p.to_text() for p in self.programs)
 
 
-@contextlib.contextmanager
-def _forward_of_its_own(model: nn.Module) -> Iterator[None]:
-    """Run ``model.forward`` through a copy of its function with a code object of its own while planning.
-
-    Dynamo keeps its compiled entries on the code object of the frame it compiles (``forward``), at most
-    ``recompile_limit`` (8) of them per code object. Each ``piper.plan`` compiles with a new capture
-    backend, so planning on the model's own ``forward`` code added an entry per call: the 9th call raised
-    ``FailOnRecompileLimitHit`` and the user's own ``torch.compile(model)`` found the budget spent. The copy
-    (same globals, closure, defaults and source lines, so the same graph and source names) takes the entry
-    and is dropped afterwards with it."""
-    bound = model.forward
-    func = getattr(bound, "__func__", None)
-    if not isinstance(bound, types.MethodType) or not isinstance(func, types.FunctionType):
-        yield  # not a plain method (a callable object, a builtin): compile it as it is
-        return
-    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                             func.__closure__)
-    own.__kwdefaults__ = func.__kwdefaults__
-    own.__dict__.update(func.__dict__)
-    had = "forward" in model.__dict__
-    before = model.__dict__.get("forward")
-    model.__dict__["forward"] = types.MethodType(own, model)  # found before the class's forward
-    try:
-        yield
-    finally:
-        if had:
-            model.__dict__["forward"] = before
-        else:
-            del model.__dict__["forward"]
-
-
 def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int, forward_only: bool = False,
          options: dict[str, Any] | None = None) -> StaticPlan:
     """Capture ``model`` on ``example_args`` (one local replica's batch) and plan ``directives`` for
@@ -170,14 +137,21 @@ def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_si
     """Capture ``model`` on ``example_args`` into a ``CompiledStep`` for ``world_size`` ranks: the joint
     graph cut into segments, not yet planned (``plan`` builds on it; the golden pass tests run its
     passes one by one). Leaves no Dynamo cache entry on the model's code."""
-    captured: dict[str, Any] = {}
+    opts = {**(options or {}), "directives": directives}
+    linked = link(model, opts)
+    linked.call = (example_args, {})
+    traced = trace(model, example_args)
+    return CompiledStep(traced.gm, traced.inputs, opts, world=(0, world_size), sources=traced.sources, link=linked)
 
-    def stash(gm: Any, example_inputs: list[Any], **_: Any) -> Any:
-        captured.update(gm=gm, inputs=list(example_inputs))
-        captured["sources"] = source_names(gm)
-        return lambda *args: (torch.zeros(()),)  # only the graph is needed: run nothing
 
-    with _forward_of_its_own(model):
-        torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*example_args)
-    return CompiledStep(captured["gm"], captured["inputs"], {**(options or {}), "directives": directives},
-                        world=(0, world_size), sources=captured["sources"])
+def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Module:  # noqa: A001 - piper.compile
+    """``torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options={"directives": ..., **options})``
+    plus an explicit link from the compiled step to ``model`` (``runtime/registry.ModelLink``): what
+    ``options["mixed_precision"]`` needs (piper traces the model again in the compute dtype), and how
+    ``piper.optimizer(step)`` and ``model.state_dict()`` find the step's training state."""
+    opts = {**options, "directives": list(directives)}
+    compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
+    linked = link(model, opts)
+    linked.handle = compiled.register_forward_pre_hook(linked.record, with_kwargs=True)
+    compiled._piper_link = linked  # keeps the link (and so the registry entry) alive with the compiled module
+    return compiled

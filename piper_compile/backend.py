@@ -37,7 +37,8 @@ from piper_compile.runtime.consistency import (
 )
 from piper_compile.runtime.executor import Executor
 from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
-from piper_compile.runtime.registry import check_shared_parameters, state_for
+from piper_compile.capture.retrace import arg_order, retrace
+from piper_compile.runtime.registry import ModelLink, check_shared_parameters, link_for, state_for
 from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.zero import layout_of
 from piper_compile.options import Options
@@ -80,8 +81,11 @@ class CompiledStep:
     """What the backend returns: one call = one training step (or forward only under no_grad)."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None,
-                 world: tuple[int, int] | None = None, sources: list[str] | None = None) -> None:
+                 world: tuple[int, int] | None = None, sources: list[str] | None = None,
+                 link: ModelLink | None = None) -> None:
         self.gm = gm
+        self.link = link if link is not None else link_for(options)  # piper.compile's link to the module
+        self._arg_order: list[int] | None = None  # mixed precision: the re-traced graph's inputs
         # Read during Dynamo's compile (the backend call): its grapharg metadata is gone afterwards.
         self.sources = sources if sources is not None else source_names(gm)
         self.example_inputs = list(example_inputs)
@@ -126,10 +130,35 @@ class CompiledStep:
         caps = [d.bucket_size for d in reps if filter_matches(d.filter, dict(region))] or [d.bucket_size for d in reps]
         return min(caps) * 2**20 if caps else None
 
+    def _in_compute_dtype(self) -> dict[int, torch.dtype]:
+        """Mixed precision: Dynamo's graph again, traced with the parameters and forward inputs in the
+        compute dtype (``capture/retrace.py``); the inputs the step must cast, by position."""
+        if not self.options.precision.active:
+            return {}
+        module = self.link.module() if self.link is not None else None
+        if module is None or self.link is None or self.link.call is None:
+            raise PiperError(
+                "piper: options['mixed_precision'] needs the model compiled with piper.compile(model, directives=..., "
+                "mixed_precision=..., ...) (or planned with piper.plan), not torch.compile(model, backend='piper'): "
+                "piper traces the model again with bf16 parameters, so that dtypes it reads from tensors "
+                "(x.to(h.dtype)) follow the compute dtype, and Dynamo does not tell a backend which module it traced")
+        traced = retrace(module, self.link.call, self.options.precision)
+        order = arg_order(self.sources, traced.sources)
+        first = self.example_inputs
+        cast = {i: t.dtype for i, t in enumerate(traced.inputs) if isinstance(t, torch.Tensor)
+                and not isinstance(t, torch.nn.Parameter) and t.dtype != first[order[i]].dtype}
+        self.gm, self.example_inputs, self.sources, self._arg_order = traced.gm, traced.inputs, traced.sources, order
+        return cast
+
     def _capture(self) -> None:
+        cast = self._in_compute_dtype()
+        if self.link is not None:
+            self.link.captured()
         fakes = self._graph_passes()
         try:
-            self.joint = capture_joint(self.gm, self.example_inputs, self.sources, fakes, self.options.precision)
+            self.joint = capture_joint(self.gm, self.example_inputs, self.sources, fakes)
+            for s in self.joint.inputs:
+                s.cast_to = cast.get(s.arg_index) if s.kind == INPUT else None
         except PiperError as e:
             if fakes is None:
                 raise
@@ -293,6 +322,10 @@ class CompiledStep:
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> tuple[torch.Tensor]:
         try:
+            if self.joint is None:
+                self._capture()
+            if self._arg_order is not None:  # mixed precision: in the order of the graph traced in bf16
+                args = tuple(args[i] for i in self._arg_order)
             step = self.bind(args)
             if not local_calls():
                 step.blueprint(forward_only=not torch.is_grad_enabled())

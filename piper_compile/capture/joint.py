@@ -17,7 +17,6 @@ from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from piper_compile.errors import PiperCaptureError
-from piper_compile.precision import Precision
 
 PARAM, BUFFER, INPUT, SYM, TANGENT = "param", "buffer", "input", "sym", "tangent"
 TANGENT_VALUE = "tangent"
@@ -33,7 +32,7 @@ class InputSpec:
     arg_index: int | None  # position in the compiled function's call args
     batched: bool = False  # sliced into micro-batches (inputs) / equal to the batch size (syms)
     symbol: Any = None  # sympy symbol for SymInt inputs
-    cast_to: torch.dtype | None = None  # mixed precision: a forward input the step casts to this dtype
+    cast_to: torch.dtype | None = None  # mixed precision: an input the step casts to this dtype (retrace.py)
 
 
 @dataclass
@@ -213,43 +212,19 @@ def _is_reshape(node: fx.Node) -> bool:
 
 
 def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[str] | None = None,
-                  fakes: tuple[Any, ...] | None = None, precision: Precision | None = None) -> JointGraph:
+                  fakes: tuple[Any, ...] | None = None) -> JointGraph:
     """Export the joint graph of Dynamo's graph ``gm`` and describe its inputs/outputs. ``fakes``: the
-    placeholder values to trace with (default Dynamo's; tensor parallelism passes local shapes).
-    ``precision``: a mixed-precision policy traces with the parameters (and floating inputs) in its
-    compute dtype, so the joint graph computes in it and its gradient outputs are of the compute copy."""
+    placeholder values to trace with (default Dynamo's; tensor parallelism passes local shapes)."""
     _check_single_loss(gm)
     specs, params, buffers = _describe_inputs(gm, example_inputs, sources or source_names(gm))
     if fakes is None:
         fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
-    if precision is not None and precision.active:
-        fakes = _in_compute_dtype(fakes, specs, precision, sources or source_names(gm))
     jgm = _export_joint(gm, fakes)
     final_specs, value_of = _joint_inputs(jgm, specs)
     loss, grad_of = _joint_outputs(jgm, specs)
     batch_symbols, batch_size = _batch_symbols(specs, gm)
     _mark_batched(gm, specs, final_specs, batch_symbols)
     return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm)
-
-
-def _in_compute_dtype(fakes: tuple[Any, ...], specs: list[InputSpec], precision: Precision,
-                      sources: list[str]) -> tuple[Any, ...]:
-    """The placeholder values with floating parameters and, under ``cast_forward_inputs``, the floating
-    tensors the forward's caller passes (not the scalars Dynamo lifts from the model, e.g. a layer
-    norm's ``eps``, nor tensor attributes of modules) in the compute dtype; the inputs cast are marked
-    (``InputSpec.cast_to``) for the runtime to cast alike. Leaves keep ``requires_grad``."""
-    out = list(fakes)
-    for i, (spec, f, src) in enumerate(zip(specs, fakes, sources)):
-        if not (isinstance(f, torch.Tensor) and f.is_floating_point() and precision.compute(f) != f.dtype):
-            continue
-        if spec.kind == INPUT:
-            if not precision.cast_forward_inputs or f.dim() == 0 or src.startswith("L['self']"):
-                continue
-            spec.cast_to = precision.compute(f)
-        elif spec.kind != PARAM:
-            continue
-        out[i] = f.detach().to(precision.compute(f)).requires_grad_(f.requires_grad)
-    return tuple(out)
 
 
 def _export_joint(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> fx.GraphModule:

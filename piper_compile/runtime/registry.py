@@ -21,6 +21,51 @@ from torch import nn
 from piper_compile.errors import PiperError
 from piper_compile.runtime.state import TrainState
 
+class ModelLink:
+    """The explicit link from a compiled step to its module, made by ``piper.compile`` (or ``piper.plan``):
+    Dynamo hands a backend a graph, never the module it traced, nor the forward's own arguments. The link
+    holds the module (weakly), the ``options`` dict given to ``torch.compile`` (the backend receives that
+    very dict, which is how it finds the link) and the arguments of the first call until the step has
+    been captured (mixed precision re-traces the module with them, ``capture/retrace.py``)."""
+
+    def __init__(self, module: nn.Module, options: dict[str, Any]) -> None:
+        self._module = weakref.ref(module)
+        self.options = options
+        self.call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.handle: Any = None  # the forward pre-hook recording the first call
+
+    def module(self) -> nn.Module | None:
+        return self._module()
+
+    def record(self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook on the compiled module (outside Dynamo's trace): keep the first call's arguments."""
+        if self.call is None:
+            self.call = (args, kwargs)
+
+    def captured(self) -> None:
+        """The step is captured: drop the first batch and the hook."""
+        self.call = None
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+_LINKS: "weakref.WeakValueDictionary[int, ModelLink]" = weakref.WeakValueDictionary()
+
+
+def link(module: nn.Module, options: dict[str, Any]) -> ModelLink:
+    """Link ``module`` to the ``options`` dict it is compiled with (the caller keeps the link alive)."""
+    made = ModelLink(module, options)
+    _LINKS[id(options)] = made
+    return made
+
+
+def link_for(options: Any) -> ModelLink | None:
+    """The link made for this very ``options`` dict, if any."""
+    found = _LINKS.get(id(options)) if options is not None else None
+    return found if found is not None and found.options is options else None
+
+
 _LIVE: "weakref.WeakSet[TrainState]" = weakref.WeakSet()
 _BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, TrainState]" = weakref.WeakKeyDictionary()
 _COUNTER = itertools.count()

@@ -100,7 +100,10 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
         options["clip_grad_norm"] = cfg.clip_grad_norm
     if cfg.mixed_precision is not None:
         options["mixed_precision"] = cfg.mixed_precision
-    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
+    if cfg.mixed_precision is None:
+        step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
+    else:  # mixed precision re-traces the model: piper.compile links the step to it
+        step = piper.compile(model, **options)
     user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
     sched = cfg.make_scheduler(piper.optimizer(step)) if cfg.scheduler else None
     total, rows = sum(cfg.replica_batches(world)), cfg.local_slice(rank, world)

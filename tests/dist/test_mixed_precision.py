@@ -67,3 +67,36 @@ def test_inductor_bf16_single_rank():
                     codegen="inductor")
     res = run_mixed_parity(cfg, 1, max_err=0.06, closer=0.75, loss_tol=2**-6)
     assert not res[0]["fallbacks"]
+
+
+S = piper.schedules
+TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipe_v"])
+def test_v_schedules_bf16(schedule: str):
+    """Split backward (BI/BW) and, for DualPipeV, overlap slots, in bf16."""
+    cfg = RunConfig(model="gpt", model_kwargs={"layers": 4}, stages=4, steps=3, optimizer=ADAMW, mixed_precision=BF16,
+                    directives=[piper.split(8), *getattr(S, schedule)(2, 8)])
+    res = run_mixed_parity(cfg, 2)
+    assert "BW" in res[0]["program"]
+
+
+def test_ep2_bf16():
+    """Expert parallel: tokens cross ranks in bf16, experts computed in bf16, their gradients in fp32.
+    SGD: routing is discrete, see test_expert_parallel."""
+    cfg = RunConfig(model="moe", model_kwargs={"experts": 4}, local_batch=4, steps=3, mixed_precision=BF16,
+                    directives=[piper.split(2), piper.replicate(), piper.shard({"EP": 0})])
+    # An expert's weight gradient is one bf16 matmul over the rows both replicas sent it, where the
+    # reference rounds each replica's part on its own: ~3e-4 apart, 10x nearer than fp32 training.
+    run_mixed_parity(cfg, 2, max_err=1e-3, closer=0.2)
+
+
+def test_tp2_sequence_parallel_bf16():
+    cfg = RunConfig(model="gpt", model_kwargs={"layers": 2}, local_batch=4, tp=2, steps=3, mixed_precision=BF16,
+                    optimizer=("SGD", {"lr": 0.05, "momentum": 0.9}),
+                    directives=[piper.split(2), piper.shard_tensor(TP, sequence_parallel=True)])
+    # Row-parallel layers round each rank's partial sum to bf16 and add the halves in bf16 (as Megatron's
+    # bf16 all-reduce does) where the reference rounds one full matmul: ~3e-3 apart, fp32 training ~5e-3.
+    # The bounds still fail a lost reduction (O(1)) or a run that computed in fp32 (0 from fp32).
+    run_mixed_parity(cfg, 2, max_err=0.01, closer=0.8)

@@ -68,10 +68,8 @@ def test_mixed_precision_needs_an_optimizer():
 
 def test_one_rank_bf16_step_keeps_fp32_master_and_optimizer_state():
     model = build_model("gpt", 0)
-    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
-                         options={"directives": [piper.split(2)], "codegen": "eager",
-                                  "optimizer": functools.partial(torch.optim.AdamW, lr=1e-3),
-                                  "mixed_precision": {"param_dtype": "bf16"}})
+    step = piper.compile(model, directives=[piper.split(2)], codegen="eager",
+                         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), mixed_precision={"param_dtype": "bf16"})
     batch = model.make_batch(4, torch.Generator().manual_seed(0))
     losses = [step(*batch) for _ in range(2)]
     assert all(loss.dtype is torch.float32 for loss in losses)
@@ -83,3 +81,21 @@ def test_one_rank_bf16_step_keeps_fp32_master_and_optimizer_state():
     placeholders = cs.joint.gm.graph.find_nodes(op="placeholder")
     traced = [ph.meta["val"].dtype for ph, s in zip(placeholders, cs.joint.inputs) if s.kind == "param"]
     assert traced and set(traced) == {torch.bfloat16}  # the joint graph computes with the bf16 copy
+
+
+def test_torch_compile_with_mixed_precision_says_to_use_piper_compile():
+    model = build_model("mlp", 0)
+    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
+                         options={"optimizer": SGD, "codegen": "eager", "mixed_precision": {"param_dtype": "bf16"}})
+    with pytest.raises(PiperError, match="piper.compile"):
+        step(*model.make_batch(4, torch.Generator().manual_seed(0)))
+
+
+def test_dtype_read_from_a_tensor_follows_the_compute_dtype():
+    """The MoE router computes in fp32 and casts back with ``.to(x.dtype)``: traced from the fp32 graph,
+    that cast stayed fp32 and the next matmul mixed dtypes; re-traced in bf16 it is bf16, as in eager."""
+    from piper_compile.testing.parity import RunConfig, run_mixed_parity
+
+    cfg = RunConfig(model="moe", model_kwargs={"experts": 4}, local_batch=4, steps=2, mixed_precision={"param_dtype": "bf16"},
+                    directives=[piper.split(2)])
+    run_mixed_parity(cfg, 1)

@@ -87,7 +87,9 @@ class ExpertStep(Local):
         from piper_compile.runtime import expert
 
         acc, overwrite = None, False
-        if self.accumulate and rt.grads is not None:  # w_gate, w_up, w_down in order
+        # w_gate, w_up, w_down in order; not under mixed precision: the bf16 gradients are returned and
+        # accumulated into the fp32 buffers like every other gradient
+        if self.accumulate and rt.grads is not None and not rt.state.precision.active:
             acc, overwrite = rt.grads.claim(f for _, f in self.grads)
         with torch.no_grad():  # the runtime computes gradients itself: build no autograd graph
             return expert.compute(self.role, self.forward, inputs, acc, overwrite)
