@@ -43,7 +43,7 @@ if hasattr(_dynamo_config, "ignore_logging_functions") and not isinstance(
 
 from piper_compile import schedules  # noqa: E402
 from piper_compile.api import (  # noqa: E402
-    StaticPlan, compile, compiled_steps, explain, last_stats, optimizer, plan, trained_parameters,
+    StaticPlan, compile, compiled_steps, explain, last_stats, loss_scaler, optimizer, plan, trained_parameters,
 )
 from piper_compile.backend import piper_backend  # noqa: E402
 from piper_compile.capture.annotate import annotate  # noqa: E402
@@ -56,6 +56,6 @@ from piper_compile.runtime.consistency import local  # noqa: E402
 from piper_compile.errors import PiperCaptureError, PiperDirectiveError, PiperError, PiperPlanError, PiperRuntimeError  # noqa: E402
 
 __all__ = ["StaticPlan", "compile", "plan", "trained_parameters", "memory_report", "PiperCaptureError", "PiperDirectiveError", "PiperError", "PiperPlanError", "PiperRuntimeError", "annotate",
-           "compiled_steps", "explain", "last_stats", "local", "optimizer", "order", "piper_backend", "pipeline", "place",
+           "compiled_steps", "explain", "last_stats", "local", "loss_scaler", "optimizer", "order", "piper_backend", "pipeline", "place",
            "replicate", "schedules", "shard", "shard_tensor", "split", "full_state_dict", "load", "load_full_state_dict",
            "materialize_optimizer_state", "save", "sharded_state_dict", "CheckpointIncomplete", "LoadResult"]

@@ -63,6 +63,13 @@ def optimizer(step: Any) -> torch.optim.Optimizer:
     return opt
 
 
+def loss_scaler(step: Any) -> Any:
+    """fp16 loss scaling (``runtime/loss_scale.LossScaler``): ``.scale`` the next step seeds its backward
+    with, ``.skipped`` steps so far, ``.last_skipped``; None when the step does not scale its loss."""
+    st = _state(step, create=False)
+    return st.scaler if st is not None else None
+
+
 def compiled_steps(step: Any) -> list[CompiledStep]:
     """The compiled programs of ``step`` (train and forward-only variants), after its first call."""
     st = _state(step, create=False)

@@ -23,6 +23,7 @@ from piper_compile.directives.spec import (
 )
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
+from piper_compile.ir.meta import PrecisionMeta
 from piper_compile.ir.ops import LossReduce, ParamGather
 from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.ir.shard import ParamShard
@@ -190,13 +191,26 @@ class CompiledStep:
         static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbols)
         return PassContext(self.world, self.segments, batched, {str(x) for x in j.batch_symbols},
                            j.batch_size, forward_only, static_op, clip_grad_norm=self.options.clip_grad_norm,
-                           tp_partial=self.tp_partial)
+                           loss_scaling=self.options.precision.scaling is not None, tp_partial=self.tp_partial)
 
     def initial_dag(self, forward_only: bool) -> tuple[TrainingDAG, PassContext]:
         """The DAG the passes start from (one unplaced COMPUTE node per segment) and their context."""
         if self.joint is None:
             self._capture()
-        return build_dag(list(self.segments.values()), forward_only), self.context(forward_only)
+        dag = build_dag(list(self.segments.values()), forward_only)
+        dag.meta.precision = self._precision_meta()
+        return dag, self.context(forward_only)
+
+    def _precision_meta(self) -> PrecisionMeta | None:
+        """Mixed precision as the DAG records it for the simulator (None when nothing is cast)."""
+        prec = self.options.precision
+        assert self.joint is not None
+        floating = [p for p in self.joint.params.values() if p.is_floating_point()]
+        if not prec.active or not floating:
+            return None
+        master = floating[0].dtype
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        return PrecisionMeta(name(master), name(prec.compute(floating[0])), name(prec.reduce(master)))
 
     def build(self, forward_only: bool) -> tuple[TrainingDAG, list[Program]]:
         """The lowered DAG and every rank's verified program (no process group needed)."""

@@ -1,5 +1,6 @@
-"""``piper_compile.memory_report(step)``: per-rank bytes of parameters, gradients, optimizer state and
-peak activations, measured from the runtime's own buffers, beside the simulator's prediction for the
+"""``piper_compile.memory_report(step)``: per-rank bytes of parameters (in their own dtype: under mixed
+precision the fp32 master weights), mixed precision's compute copies, gradients, optimizer state and
+peak activations (in the dtype the step computes in), measured from the runtime's own buffers, beside the simulator's prediction for the
 same programs."""
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class MemoryFigures:
     shards); ``peak_*`` are the most bytes held at once during the last step."""
 
     params: int = 0
+    compute_copies: int = 0  # mixed precision: the param_dtype copies kept between steps
     grads: int = 0
     optimizer: int = 0
     peak_activations: int = 0
@@ -29,7 +31,7 @@ class MemoryFigures:
 
     @property
     def persistent(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.compute_copies + self.grads + self.optimizer
 
     def line(self) -> str:
         return "  ".join(f"{f.name} {getattr(self, f.name) / MiB:.3f}" for f in fields(self))
@@ -77,13 +79,14 @@ def _measured(cs: Any) -> MemoryFigures:
     opt_tensors = [t for s in (opt.state.values() if opt is not None else ()) for t in s.values()
                    if isinstance(t, torch.Tensor) and t.dim() > 0]
     s = ex.stats
-    return MemoryFigures(_storage_bytes(tensors), grads, _storage_bytes(opt_tensors), s.peak_live_bytes,
+    copies = sum(t.numel() * t.element_size() for t in st.compute_copies())
+    return MemoryFigures(_storage_bytes(tensors), copies, grads, _storage_bytes(opt_tensors), s.peak_live_bytes,
                          s.peak_gathered_bytes, s.peak_grad_bytes)
 
 
 def _predicted(cs: Any) -> MemoryFigures:
     from piper_compile.sim.cost import UniformCost
-    from piper_compile.sim.simulate import simulate, trained_bytes
+    from piper_compile.sim.simulate import copy_bytes, simulate, trained_bytes
     from piper_compile.sim.shapes import Sizes
 
     plan = cs.plans[False]
@@ -95,8 +98,8 @@ def _predicted(cs: Any) -> MemoryFigures:
         factor = 0
     sizes = Sizes.from_dag(plan.dag)
     trained = trained_bytes(plan.programs[r], sizes)
-    return MemoryFigures(res.param_bytes[r], res.grad_bytes[r], factor * trained, res.peak_activation_bytes[r],
-                         res.peak_gathered_bytes.get(r, 0), res.peak_grad_bytes.get(r, 0))
+    return MemoryFigures(res.param_bytes[r], copy_bytes(plan.programs[r], sizes), res.grad_bytes[r], factor * trained,
+                         res.peak_activation_bytes[r], res.peak_gathered_bytes.get(r, 0), res.peak_grad_bytes.get(r, 0))
 
 
 def memory_report(step: Any) -> MemoryReport:

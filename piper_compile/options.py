@@ -16,7 +16,7 @@ from piper_compile.knobs import KNOBS, knob
 from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
-                         "overlap_streams", "reorder_window", "mixed_precision"})
+                         "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling"})
 
 
 @dataclass
@@ -51,7 +51,8 @@ class Options:
                          "the backward instead of keeping them"),
                    _flag(options, "overlap_streams", "on CUDA, run the two compute steps of an overlap slot on "
                          "two streams"),
-                   _window(options), Precision.parse(options.get("mixed_precision"), opt is not None))
+                   _window(options), Precision.parse(options.get("mixed_precision"), opt is not None,
+                                                    options.get("loss_scaling")))
 
 
 def _optimizer(opt: Any) -> Callable[..., torch.optim.Optimizer] | None:

@@ -16,6 +16,15 @@ What each field means in piper (one place: the capture, the runtime and the test
 - ``output_dtype``: the dtype of the returned loss (default fp32, whatever the compute dtype).
 - ``cast_forward_inputs``: floating tensors passed to the forward (not 0-d ones) are cast to
   ``param_dtype`` (default True).
+
+``param_dtype=fp16`` turns on dynamic loss scaling (fp16 keeps 5 exponent bits: small gradients flush
+to zero and large ones overflow), with ``torch.amp.GradScaler``'s semantics and defaults: each
+micro-batch's backward is seeded with the loss scale; the fp32 gradients are checked for inf/NaN on
+every rank (one world all-reduce, so a step found bad on *any* rank is skipped on *every* rank),
+unscaled before clipping and the optimizer step; the scale backs off after a skipped step and grows
+after ``growth_interval`` good ones. ``options["loss_scaling"]`` takes a ``torch.amp.GradScaler`` or a
+dict of its arguments (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+``enabled``); the scale is saved in checkpoints (``runtime/loss_scale.py``).
 """
 from __future__ import annotations
 
@@ -29,8 +38,57 @@ from piper_compile.errors import PiperError
 _NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 _FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+_SCALER_FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 _HOW = ("pass options['mixed_precision'] = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
         "or {'param_dtype': 'bf16', 'reduce_dtype': 'fp32'}")
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling, in ``torch.amp.GradScaler``'s words and with its defaults."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    @classmethod
+    def parse(cls, raw: Any, param_dtype: torch.dtype | None) -> "LossScaling | None":
+        """``options["loss_scaling"]`` (None, a ``GradScaler`` or a dict) for this compute dtype: on for
+        fp16 unless ``enabled=False``; asking for it with another dtype is an error (bf16 has fp32's range)."""
+        fields = _scaler_fields(raw)
+        if not fields.get("enabled", True):
+            return None
+        if param_dtype != torch.float16:
+            if raw is None:
+                return None
+            raise PiperError(
+                f"piper: options['loss_scaling'] scales fp16 gradients, but mixed_precision's param_dtype is "
+                f"{param_dtype}; drop options['loss_scaling'] (bf16 and fp32 do not overflow) or use param_dtype='fp16'")
+        kw = {k: v for k, v in fields.items() if k != "enabled"}
+        out = cls(**kw)
+        ok = (out.init_scale > 0 and out.growth_factor > 1 and 0 < out.backoff_factor < 1
+              and isinstance(out.growth_interval, int) and out.growth_interval >= 1)
+        if not ok:
+            raise PiperError(f"piper: options['loss_scaling'] = {fields!r} is not a valid scaler: it needs "
+                             "init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and a whole growth_interval >= 1")
+        return out
+
+
+def _scaler_fields(raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if isinstance(raw, torch.amp.GradScaler):
+        return {"init_scale": raw.get_scale() if raw.is_enabled() else 1.0, "growth_factor": raw.get_growth_factor(),
+                "backoff_factor": raw.get_backoff_factor(), "growth_interval": raw.get_growth_interval(),
+                "enabled": raw.is_enabled()}
+    if not isinstance(raw, dict):
+        raise PiperError(f"piper: options['loss_scaling'] must be a torch.amp.GradScaler or a dict of its arguments "
+                         f"{list(_SCALER_FIELDS)}, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_SCALER_FIELDS))
+    if unknown:
+        raise PiperError(f"piper: options['loss_scaling'] has unknown key(s) {unknown}; it takes {list(_SCALER_FIELDS)}")
+    return dict(raw)
 
 
 @dataclass(frozen=True)
@@ -41,6 +99,7 @@ class Precision:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    scaling: LossScaling | None = None  # fp16: dynamic loss scaling
 
     @property
     def active(self) -> bool:
@@ -69,9 +128,11 @@ class Precision:
         return self.reduce_dtype if self.reduce_dtype is not None else grad_dtype
 
     @classmethod
-    def parse(cls, raw: Any, has_optimizer: bool) -> "Precision":
-        """``options["mixed_precision"]`` (None, a ``MixedPrecisionPolicy`` or a dict), checked."""
+    def parse(cls, raw: Any, has_optimizer: bool, scaling: Any = None) -> "Precision":
+        """``options["mixed_precision"]`` (None, a ``MixedPrecisionPolicy`` or a dict) and
+        ``options["loss_scaling"]``, checked."""
         if raw is None:
+            LossScaling.parse(scaling, None)  # a scaler without fp16 is an error
             return cls()
         fields = _fields_of(raw)
         dtypes = {k: _dtype(k, fields.get(k)) for k in _FIELDS[:3]}
@@ -79,17 +140,12 @@ class Precision:
         if not isinstance(cast, bool):
             raise PiperError(f"piper: options['mixed_precision']['cast_forward_inputs'] must be True or False, "
                              f"got {cast!r}")
-        if dtypes["param_dtype"] == torch.float16:
-            raise PiperError(
-                "piper: options['mixed_precision']: param_dtype=float16 needs dynamic loss scaling (fp16 overflows "
-                "where bf16 does not), which piper does not run yet; use param_dtype='bf16' (same bytes, fp32's "
-                "range)" + ("" if has_optimizer else ", with options['optimizer'] (piper keeps the fp32 master "
-                            "weights and steps them)"))
         if dtypes["param_dtype"] is not None and not has_optimizer:
             raise PiperError(
                 "piper: options['mixed_precision'] keeps fp32 master weights that piper's optimizer steps after "
                 "each call, so it needs options['optimizer'], e.g. functools.partial(torch.optim.AdamW, lr=3e-4)")
-        return cls(dtypes["param_dtype"], dtypes["reduce_dtype"], dtypes["output_dtype"], cast)
+        return cls(dtypes["param_dtype"], dtypes["reduce_dtype"], dtypes["output_dtype"], cast,
+                   LossScaling.parse(scaling, dtypes["param_dtype"]))
 
 
 def _fields_of(raw: Any) -> dict[str, Any]:

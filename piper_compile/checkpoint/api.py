@@ -101,6 +101,8 @@ def _load_now(ctx: Ctx, directory: str, metadata: Any, strict: bool, model_only:
         install_hooks(ctx.st, ctx.module)
     keys = set(metadata.state_dict_metadata)
     sd = build(ctx, model_only or not any(k.startswith("optim.") for k in keys))
+    if not any(k.startswith("loss_scaler.") for k in keys):  # saved without fp16 loss scaling: the scale
+        sd.pop("loss_scaler", None)  # starts from init_scale, as in a fresh run
     if "optim" in sd:  # hyperparameters the checkpoint lacks (e.g. a scheduler's initial_lr) stay as they are
         for i, g in enumerate(sd["optim"]["param_groups"]):
             for k in [k for k in g if f"optim.param_groups.{i}.{k}" not in keys and k != "params"]:

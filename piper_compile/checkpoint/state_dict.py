@@ -100,6 +100,9 @@ def build(ctx: Ctx, model_only: bool = False) -> dict[str, Any]:
         materialize(ctx, opt)
         entries, writeback = _optimizer_entries(ctx, opt)
         sd["optim"] = StatefulDict(entries, lambda loaded: _after_optim_load(opt, loaded, writeback))
+    scaler = ctx.st.scaler  # fp16 loss scaling: the scale and growth tracker (the same on every rank)
+    if scaler is not None:
+        sd["loss_scaler"] = StatefulDict(scaler.state_dict(), scaler.load_state_dict)
     return sd
 
 

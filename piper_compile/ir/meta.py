@@ -51,6 +51,17 @@ class TensorParallelSpec:
     stream: str
 
 
+@dataclass(frozen=True)
+class PrecisionMeta:
+    """``options["mixed_precision"]`` as the simulator needs it (dtype names): ``master`` is what the
+    parameters, their gradient buffers and optimizer state are kept in; ``compute`` what the graph
+    computes with (the compute copies, ZeRO-3 gathers); ``reduce`` what gradients are reduced in."""
+
+    master: str
+    compute: str
+    reduce: str
+
+
 @dataclass
 class DagMeta:
     """A DAG's record of the step's layout (see the module docstring). ``None`` / empty: not decided yet
@@ -65,6 +76,7 @@ class DagMeta:
     ep_params: dict[str, ExpertShard] = field(default_factory=dict)  # expert weight fqn -> its shard
     loss_group: Ranks = ()  # the ranks whose compute produces the loss
     zero: dict[Ranks, ZeroGroup] | None = None  # ZeRO groups (computed once, on first use)
+    precision: PrecisionMeta | None = None  # mixed precision (None: parameters compute in their own dtype)
 
     def copy(self) -> "DagMeta":
         """A copy whose dicts can change without changing this one's."""
@@ -117,4 +129,5 @@ _DECODE = {
     "ep_params": lambda v: {f: ExpertShard(tuple(s["group"]), s["experts"], s["stream"]) for f, s in v.items()},
     "tp": lambda v: None if v is None else TensorParallelSpec(v["index"], tuplify(v["groups"]), v["stream"]),
     "zero": lambda v: None if v is None else {tuple(z["devices"]): _zero_group(z) for z in v},
+    "precision": lambda v: None if v is None else PrecisionMeta(**v),
 }

@@ -20,6 +20,7 @@ class PassContext:
     static_batch_op: str | None = None  # the op that hard-codes the batch size, if found
     timings: dict[str, float] = field(default_factory=dict)
     clip_grad_norm: float | None = None  # options["clip_grad_norm"]: clip by the global gradient norm
+    loss_scaling: bool = False  # fp16 loss scaling: the norm all-reduce checks every rank's gradients
     tp_partial: frozenset[str] = frozenset()  # sequence parallel: params each TP rank holds a partial gradient of
     directives: list[Any] = field(default_factory=list)  # the user's directives (set by the driver), for errors
 

@@ -235,11 +235,12 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
 
 
 def _insert_grad_norm(dag: TrainingDAG, ctx: PassContext, update_deps: dict[tuple[int, ...], list[str]]) -> list[str]:
-    """options['clip_grad_norm']: one world all-reduce of the squared gradient norm, after every
+    """options['clip_grad_norm'] (and fp16 loss scaling, whose inf/NaN check it is): one world all-reduce
+    of the squared gradient norm, after every
     gradient is final on every group and before any update."""
-    if ctx.clip_grad_norm is None:
+    if ctx.clip_grad_norm is None and not ctx.loss_scaling:
         return []
-    node = dag.add(Node("AR.gradnorm", NormReduce(ctx.clip_grad_norm), (), ctx.world, NORM_STREAM))
+    node = dag.add(Node("AR.gradnorm", NormReduce(ctx.clip_grad_norm or 0.0), (), ctx.world, NORM_STREAM))
     for deps in update_deps.values():
         for d in deps:
             dag.add_order(d, node.name)

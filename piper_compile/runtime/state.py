@@ -14,6 +14,7 @@ from piper_compile.errors import PiperError
 from piper_compile.ir.ops import Update
 from piper_compile.ir.shard import ParamShard
 from piper_compile.precision import Precision
+from piper_compile.runtime.loss_scale import LossScaler
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
 from piper_compile.runtime.shards import LocalShard
@@ -54,6 +55,7 @@ class TrainState:
         self.precision = Precision()  # options["mixed_precision"]: the compute copies' dtype
         self._copies: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}  # fqn -> (source version, copy)
         self.updates = 0  # optimizer steps so far (a compute copy made before the last one is stale)
+        self.scaler: LossScaler | None = None  # fp16: dynamic loss scaling (runtime/loss_scale.py)
 
     def adopt_precision(self, precision: Precision) -> None:
         """The mixed-precision policy this model trains with (every compiled variant must agree)."""
@@ -61,6 +63,8 @@ class TrainState:
             raise PiperError(f"piper: this model is compiled twice with different options['mixed_precision'] "
                              f"({self.precision} vs {precision}); compile it once, or with the same policy")
         self.precision = precision
+        if precision.scaling is not None and self.scaler is None:
+            self.scaler = LossScaler(precision.scaling)
 
     @property
     def is_plain(self) -> bool:
@@ -137,6 +141,10 @@ class TrainState:
         copy = t.detach().to(self.precision.compute(t))
         self._copies[fqn] = (key, copy)
         return copy
+
+    def compute_copies(self) -> list[torch.Tensor]:
+        """Mixed precision: the compute copies held now (``compute_param``)."""
+        return [t for _, t in self._copies.values()]
 
     def local_params(self) -> dict[str, nn.Parameter]:
         """Every local shard (expert and tensor parallel) by FQN."""
@@ -297,7 +305,12 @@ class TrainState:
                 else:
                     p.grad.add_(g)
             return
-        if grad_sq is not None:
+        if self.scaler is not None:  # fp16: skip on inf/NaN anywhere in the world, else unscale
+            assert grad_sq is not None, "lowering inserts the norm all-reduce under loss scaling"
+            grad_sq = self.scaler.unscale([g for _, g in pairs], grad_sq)
+            if grad_sq is None:
+                return
+        if grad_sq is not None and max_norm:
             coef = (max_norm / (grad_sq.sqrt() + 1e-6)).clamp(max=1.0)
             for _, g in pairs:
                 g.mul_(coef.to(g.dtype))

@@ -101,7 +101,10 @@ class Step:
         if spec.kind == BUFFER:
             return args[spec.arg_index]
         if spec.kind == TANGENT:  # this rank's share of the global batch, per micro-batch loss
-            return torch.full((), self.weights().seed, dtype=self.ex.tangent_dtype, device=self.device)
+            seed = self.weights().seed
+            scaler = self.state.scaler
+            return torch.full((), seed if scaler is None else scaler.seed(seed), dtype=self.ex.tangent_dtype,
+                              device=self.device)
         if spec.kind == SYM:
             return self.mb_size if spec.batched else int(args[spec.arg_index])
         assert spec.kind == INPUT

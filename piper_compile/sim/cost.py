@@ -51,8 +51,9 @@ class CostModel:
     def update_time(self, ins: Instr, rank: int, nbytes: int) -> float:
         raise NotImplementedError
 
-    def params_bytes(self, fqns: Iterable[str]) -> int:
-        """Bytes of these parameters on one rank (0 for models that do not count bytes)."""
+    def params_bytes(self, fqns: Iterable[str], as_: str = "master") -> int:
+        """Bytes of these parameters on one rank (0 for models that do not count bytes); ``as_``: see
+        ``Sizes.params_bytes``."""
         return 0
 
     def tensor_bytes(self, shape: Any, dtype: str) -> int:
@@ -200,8 +201,8 @@ class FlopCost(CostModel):
         factor = 2.0 if algo == "all_reduce" else 1.0
         return self.latency_s + factor * (members - 1) / members * nbytes / self.bytes_per_s
 
-    def params_bytes(self, fqns: Iterable[str]) -> int:
-        return self.sizes.params_bytes(fqns)
+    def params_bytes(self, fqns: Iterable[str], as_: str = "master") -> int:
+        return self.sizes.params_bytes(fqns, as_)
 
     def tensor_bytes(self, shape: Any, dtype: str) -> int:
         return self.sizes.tensor_bytes(shape, dtype)

@@ -87,6 +87,15 @@ def numel(shape: Any, symbols: dict[str, int]) -> int:
     return n
 
 
+def _kept_itemsize(graph_dtype: torch.dtype, dag: TrainingDAG) -> int:
+    """Bytes per element of a parameter as the rank keeps it: the graph's dtype, or under mixed precision
+    (where the graph computes with the copies) the master weights' dtype."""
+    prec = dag.meta.precision
+    if prec is not None and str(graph_dtype).removeprefix("torch.") == prec.compute:
+        return dtype_bytes(prec.master)
+    return graph_dtype.itemsize
+
+
 @dataclass
 class Sizes:
     """Bytes of values, parameters and messages of one plan."""
@@ -96,6 +105,8 @@ class Sizes:
     params: dict[str, int] = field(default_factory=dict)  # fqn -> bytes
     params_numel: dict[str, int] = field(default_factory=dict)  # fqn -> elements
     messages: dict[str, int] = field(default_factory=dict)  # SEND/RECV msg -> bytes
+    # mixed precision: bytes per parameter element as kept (master), computed with, reduced (1: as kept)
+    as_factor: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_dag(cls, dag: TrainingDAG | None, symbols: dict[str, int] | None = None) -> "Sizes":
@@ -111,7 +122,11 @@ class Sizes:
                 val = ph.meta.get("val")
                 if value.startswith("param:") and isinstance(val, torch.Tensor):
                     out.params_numel[value[len("param:"):]] = numel(val.shape, syms)
-                    out.params[value[len("param:"):]] = numel(val.shape, syms) * val.dtype.itemsize
+                    out.params[value[len("param:"):]] = numel(val.shape, syms) * _kept_itemsize(val.dtype, dag)
+        prec = dag.meta.precision
+        if prec is not None:
+            master = dtype_bytes(prec.master)
+            out.as_factor = {"compute": dtype_bytes(prec.compute) / master, "reduce": dtype_bytes(prec.reduce) / master}
         for f, shard in dag.meta.ep_params.items():  # a rank holds E/G experts
             out.params_numel[f] //= len(shard.group)
             out.params[f] //= len(shard.group)
@@ -131,5 +146,7 @@ class Sizes:
         meta = self.values.get(value.rsplit("@mb", 1)[0])
         return self.tensor_bytes(*meta) if meta else 0
 
-    def params_bytes(self, fqns: Any) -> int:
-        return sum(self.params.get(f, 0) for f in fqns)
+    def params_bytes(self, fqns: Any, as_: str = "master") -> int:
+        """Bytes of these parameters as kept (``master``), as computed with (``compute``: mixed precision's
+        copies and ZeRO-3 gathers) or as their gradients are reduced (``reduce``)."""
+        return int(sum(self.params.get(f, 0) for f in fqns) * self.as_factor.get(as_, 1.0))

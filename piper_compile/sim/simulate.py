@@ -363,6 +363,15 @@ def zero_buckets(program: Program) -> dict[str, tuple[tuple[str, ...], int, int]
             for i in program.instrs if isinstance(i.node.op, ParamGather) and i.node.op.level}
 
 
+def copy_bytes(program: Program, sizes: Sizes) -> int:
+    """Mixed precision: bytes of the compute copies rank ``program.rank`` keeps between steps (of the
+    parameters its compute steps read directly; ZeRO-3 parameters are gathered as copies, per use)."""
+    if not sizes.as_factor:
+        return 0
+    gathered = {f for fqns, _, level in zero_buckets(program).values() if level >= 3 for f in fqns}
+    return sizes.params_bytes(sorted(read_and_written(program)[0] - gathered), "compute")
+
+
 def trained_bytes(program: Program, sizes: Sizes) -> int:
     """Bytes of what the rank's optimizer updates: its shards of ZeRO buckets, whole other parameters."""
     upd = program.update_node()

@@ -34,6 +34,8 @@ class RunConfig:
     tp: int = 1  # tensor-parallel group size: consecutive ranks of a group share one replica's batch
     batches: tuple[int, ...] | None = None  # per-replica local batch sizes (uneven); default local_batch each
     mixed_precision: Any = None  # options["mixed_precision"]; the reference computes in the same dtypes
+    loss_scaling: Any = None  # options["loss_scaling"] (fp16); the reference steps a torch.amp.GradScaler
+    poison: tuple[int, int] | None = None  # (step, row): that global batch row's first input is inf
 
     def pieces(self, world: int) -> int:
         """How many micro-batches the global batch is cut into (replicas x the ``split`` count)."""
@@ -41,7 +43,7 @@ class RunConfig:
         return self.dp_degree(world) * m
 
     def precision(self) -> Precision:
-        return Precision.parse(self.mixed_precision, self.optimizer is not None)
+        return Precision.parse(self.mixed_precision, self.optimizer is not None, self.loss_scaling)
 
     def replica_of(self, rank: int, world: int) -> int:
         for d in self.directives:
@@ -84,7 +86,10 @@ def _model(cfg: RunConfig) -> nn.Module:
 
 def _global_batch(model: nn.Module, cfg: RunConfig, step: int, n: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(1000 + cfg.seed * 100 + step)
-    return tuple(t.to(_device(cfg)) for t in model.make_batch(n, gen))  # type: ignore[operator]
+    batch = tuple(t.to(_device(cfg)) for t in model.make_batch(n, gen))  # type: ignore[operator]
+    if cfg.poison is not None and cfg.poison[0] == step:  # an overflow in one replica's rows
+        batch[0][cfg.poison[1]] = float("inf")
+    return batch
 
 
 def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
@@ -100,6 +105,8 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
         options["clip_grad_norm"] = cfg.clip_grad_norm
     if cfg.mixed_precision is not None:
         options["mixed_precision"] = cfg.mixed_precision
+    if cfg.loss_scaling is not None:
+        options["loss_scaling"] = cfg.loss_scaling
     if cfg.mixed_precision is None:
         step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
     else:  # mixed precision re-traces the model: piper.compile links the step to it
@@ -107,13 +114,16 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
     sched = cfg.make_scheduler(piper.optimizer(step)) if cfg.scheduler else None
     total, rows = sum(cfg.replica_batches(world)), cfg.local_slice(rank, world)
-    losses = []
+    losses, scales = [], []
     for s in range(cfg.steps):
         batch = _global_batch(model, cfg, s, total)
         local = tuple(t[rows] for t in batch)
         loss = step(*local)
         loss.backward()  # accepted and does nothing more
         losses.append(loss.item())
+        scaler = piper.loss_scaler(step)
+        if scaler is not None:
+            scales.append(scaler.scale)
         if user_opt is not None:
             user_opt.step()
             user_opt.zero_grad()
@@ -132,7 +142,7 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     params = list(model.parameters())
     owned = {k: values[by_id[id(p)]].cpu() for k, p in enumerate(params) if by_id.get(id(p)) in values}
     stats = piper.last_stats(step)
-    return {"losses": losses, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
+    return {"losses": losses, "scales": scales, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
             "collectives": dict(stats.collectives), "p2p": stats.p2p, "stats": stats,
             "memory": piper.memory_report(step) if not cfg.user_optimizer else None,
             "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback), "tp_partial": sorted(cs.tp_partial)}
@@ -164,7 +174,9 @@ class ComputeCopy:
         loss = self.copy(*(self.precision.cast_input(t) for t in batch))
         return loss.to(self.precision.loss_dtype(loss.dtype))
 
-    def loss_and_grads(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def loss_and_grads(self, batch: tuple[torch.Tensor, ...], scale: float = 1.0) -> torch.Tensor:
+        """The loss, and gradients (times ``scale``: fp16 loss scaling seeds each backward with it) in
+        the master parameters' ``.grad``."""
         if not self.precision.active:
             loss = self.master(*batch)
             loss.backward()
@@ -182,7 +194,7 @@ class ComputeCopy:
                 c.grad = None
             loss = self.copy(*(self.precision.cast_input(t[rows]) for t in batch))
             weight = len(rows) / n  # the micro-batch's share of the global mean, seeded in the compute dtype
-            loss.backward(torch.full((), weight, dtype=loss.dtype))
+            loss.backward(torch.full((), weight * scale, dtype=loss.dtype))
             total += weight * loss.detach().double()
             acc = per_replica[-1]
             for i, (c, m) in enumerate(zip(self.copy.parameters(), self.master.parameters())):  # summed in fp32
@@ -202,15 +214,23 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     opt = cfg.make_optimizer()(model.parameters())
     sched = cfg.make_scheduler(opt)
     total = sum(cfg.replica_batches(world))
-    losses, norms = [], []
+    losses, norms, scales = [], [], []
     compute = ComputeCopy(model, cfg.precision(), cfg.pieces(world), cfg.dp_degree(world))
+    scaler = _grad_scaler(cfg)
     for s in range(cfg.steps):
         batch = _global_batch(model, cfg, s, total)
         opt.zero_grad()
-        loss = compute.loss_and_grads(batch)
+        loss = compute.loss_and_grads(batch, scaler.get_scale() if scaler is not None else 1.0)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if cfg.clip_grad_norm is not None:  # the norm before clipping (tests check that clipping happened)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)))
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)  # skipped when a gradient is inf/NaN
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
         if sched is not None:
             sched.step()
         losses.append(loss.item())
@@ -219,7 +239,18 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
         with torch.no_grad():
             eval_loss = compute.evaluate(_global_batch(model, cfg, cfg.steps, total)).item()
     return {"losses": losses, "params": [p.detach().cpu().clone() for p in model.parameters()],
-            "eval_loss": eval_loss, "grad_norms": norms}
+            "eval_loss": eval_loss, "grad_norms": norms, "scales": scales}
+
+
+def _grad_scaler(cfg: RunConfig) -> torch.amp.GradScaler | None:
+    """fp16 loss scaling on eager: torch's own GradScaler, with the run's settings."""
+    sc = cfg.precision().scaling
+    if sc is None:
+        return None
+    scaler = torch.amp.GradScaler(_device(cfg).type, init_scale=sc.init_scale, growth_factor=sc.growth_factor,
+                                  backoff_factor=sc.backoff_factor, growth_interval=sc.growth_interval)
+    scaler.scale(torch.zeros((), device=_device(cfg)))  # it makes its scale tensor at the first scale()
+    return scaler
 
 
 def assert_parity(results: list[dict[str, Any]], ref: dict[str, Any], rtol: float = 1e-5, atol: float = 1e-6,
@@ -275,18 +306,18 @@ def run_mixed_parity(cfg: RunConfig, world: int, max_err: float = 2e-5, closer: 
 
     results = run_local(piper_worker, world, cfg) if world > 1 else [piper_worker(0, 1, cfg)]
     ref = eager_reference(cfg, world)
-    ref32 = eager_reference(dataclasses.replace(cfg, mixed_precision=None), world)
+    ref32 = eager_reference(dataclasses.replace(cfg, mixed_precision=None, loss_scaling=None, poison=None), world)
     init = [p.detach().cpu() for p in _model(cfg).parameters()]
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=loss_tol, atol=0.0,
-                                   msg=lambda m, rank=rank: f"rank {rank} losses differ: {m}")
+                                   equal_nan=True, msg=lambda m, rank=rank: f"rank {rank} losses differ: {m}")
+        assert r["scales"] == ref["scales"], f"rank {rank}: loss scales {r['scales']} vs GradScaler's {ref['scales']}"
         assert all(p.dtype == init[k].dtype for k, p in r["params"].items()), f"rank {rank}: master weights changed dtype"
         err, err32 = update_error(r["params"], ref["params"], init), update_error(r["params"], ref32["params"], init)
         assert err <= max_err and err <= closer * err32, (
             f"rank {rank}: parameter updates {err:.4f} from the mixed-precision reference (bound {max_err}) and "
             f"{err32:.4f} from fp32 training (must be at least {1 / closer:.2f}x farther)")
         r["update_error"], r["update_error_fp32"] = err, err32
-        print(f"rank {rank}: update error {err:.2e} (fp32 training: {err32:.2e})")
     covered = {k for r in results for k in r["params"]}
     assert covered == set(range(len(init))), f"parameters {sorted(set(range(len(init))) - covered)} were updated by no rank"
     return results

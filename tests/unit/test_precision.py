@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import piper_compile as piper
 from piper_compile.errors import PiperError
 from piper_compile.options import Options
-from piper_compile.precision import Precision
+from piper_compile.precision import LossScaling, Precision
 from piper_compile.testing.models import build_model
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -53,7 +53,6 @@ def test_cast_input_rules():
     ({"param_dtype": "bf16", "keep_fp32": True}, "unknown key"),
     ({"param_dtype": "bf16", "cast_forward_inputs": "yes"}, "True or False"),
     ("bf16", "must be a MixedPrecisionPolicy or a dict"),
-    ({"param_dtype": "fp16"}, "loss scaling"),
 ])
 def test_bad_policies_are_piper_errors(mp, words):
     with pytest.raises(PiperError, match=words):
@@ -99,3 +98,99 @@ def test_dtype_read_from_a_tensor_follows_the_compute_dtype():
     cfg = RunConfig(model="moe", model_kwargs={"experts": 4}, local_batch=4, steps=2, mixed_precision={"param_dtype": "bf16"},
                     directives=[piper.split(2)])
     run_mixed_parity(cfg, 1)
+
+
+def _zero3_plan(mp):
+    from piper_compile.sim.cost import UniformCost
+    from piper_compile.sim.shapes import Sizes
+    from piper_compile.sim.simulate import copy_bytes, simulate
+
+    model = build_model("gpt", 0)
+    batch = model.make_batch(4, torch.Generator().manual_seed(0))
+    plan = piper.plan(model, *batch, directives=[piper.replicate(zero=3, bucket_mb=0.01)], world_size=2,
+                      options={"optimizer": SGD, "mixed_precision": mp})
+    res = simulate(plan.programs, UniformCost(), plan.dag)
+    return plan, res, copy_bytes(plan.programs[0], Sizes.from_dag(plan.dag))
+
+
+def test_simulator_predicts_bytes_per_dtype():
+    """The DAG records the policy (META precision, parsed back with the DAG); the simulator keeps master
+    weights and gradients in fp32 and counts ZeRO-3 gathers in bf16, half of fp32's bytes."""
+    p32, r32, c32 = _zero3_plan(None)
+    p16, r16, c16 = _zero3_plan({"param_dtype": "bf16"})
+    from piper_compile.ir.dag import parse_dag
+
+    text = p16.dag.to_text()
+    assert '"precision":{"master":"float32","compute":"bfloat16","reduce":"float32"}' in text
+    assert parse_dag(text).meta.precision == p16.dag.meta.precision and p32.dag.meta.precision is None
+    assert r16.param_bytes == r32.param_bytes and r16.grad_bytes == r32.grad_bytes
+    assert c32 == c16 == 0  # ZeRO-3: every parameter is gathered as a copy per use, none kept
+    for r in (0, 1):
+        assert 0 < r16.peak_gathered_bytes[r] == r32.peak_gathered_bytes[r] // 2
+
+
+def test_fp16_turns_on_loss_scaling_with_grad_scaler_defaults():
+    gs = torch.amp.GradScaler("cpu")
+    default = _parse({"param_dtype": "fp16"}).scaling
+    assert default == LossScaling() and default.init_scale == gs.get_scale()
+    assert default.growth_interval == gs.get_growth_interval() and default.backoff_factor == gs.get_backoff_factor()
+    mine = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    p = Options.parse({"optimizer": SGD, "mixed_precision": {"param_dtype": "fp16"}, "loss_scaling": mine}).precision
+    assert p.scaling == LossScaling(init_scale=1024.0, growth_interval=3)
+    off = Options.parse({"optimizer": SGD, "mixed_precision": {"param_dtype": "fp16"}, "loss_scaling": {"enabled": False}})
+    assert off.precision.scaling is None
+    assert _parse({"param_dtype": "bf16"}).scaling is None
+
+
+@pytest.mark.parametrize("mp, scaling, words", [
+    ({"param_dtype": "bf16"}, {"init_scale": 8.0}, "scales fp16 gradients"),
+    (None, {"init_scale": 8.0}, "scales fp16 gradients"),
+    ({"param_dtype": "fp16"}, {"init_scale": 8.0, "dynamic": True}, "unknown key"),
+    ({"param_dtype": "fp16"}, {"backoff_factor": 2.0}, "not a valid scaler"),
+    ({"param_dtype": "fp16"}, {"growth_interval": 0}, "not a valid scaler"),
+    ({"param_dtype": "fp16"}, 65536.0, "must be a torch.amp.GradScaler or a dict"),
+])
+def test_bad_loss_scaling_is_a_piper_error(mp, scaling, words):
+    with pytest.raises(PiperError, match=words):
+        Options.parse({"optimizer": SGD, "mixed_precision": mp, "loss_scaling": scaling})
+
+
+def test_scale_follows_grad_scaler_through_overflows():
+    """LossScaler against torch.amp.GradScaler on the same sequence of good and overflowing steps: the
+    same scales, the same steps skipped, gradients unscaled by the same factor."""
+    from piper_compile.runtime.loss_scale import LossScaler
+
+    cfg = LossScaling(init_scale=2.0**10, growth_interval=2)
+    mine, gs = LossScaler(cfg), torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    gs.scale(torch.zeros(()))  # GradScaler makes its scale at the first scale()
+    for bad in [False, True, False, False, False, True, True, False]:
+        g = torch.tensor([1.0, float("inf") if bad else 2.0, 3.0]) * mine.scale
+        p.grad = g.clone()
+        before = p.detach().clone()
+        gs.unscale_(opt)
+        gs.step(opt)
+        gs.update()
+        out = mine.unscale([g], g.pow(2).sum())
+        assert mine.scale == gs.get_scale() and (out is None) == bad == mine.last_skipped
+        assert bad == torch.equal(p.detach(), before)
+        if not bad:
+            assert torch.equal(g, torch.tensor([1.0, 2.0, 3.0])) and float(out) == 14.0
+    assert mine.skipped == 3
+
+
+def test_one_rank_fp16_matches_grad_scaler_on_eager_and_skips_an_overflow():
+    """fp16 compute with loss scaling on one rank, 2 micro-batches, against eager training with a fp16
+    compute copy and torch's GradScaler: the same losses (inf at the step whose batch holds an inf), the
+    same scales step by step (back off at the overflow, grow after 2 good steps), the updates within
+    ~1e-7 and fp32 master weights."""
+    from piper_compile.testing.parity import RunConfig, run_mixed_parity
+
+    cfg = RunConfig(model="mlp", directives=[piper.split(2)], steps=5, optimizer=("AdamW", {"lr": 1e-2}),
+                    mixed_precision={"param_dtype": "fp16"}, loss_scaling={"init_scale": 2.0**12, "growth_interval": 2},
+                    poison=(1, 3))
+    res = run_mixed_parity(cfg, 1)
+    assert res[0]["scales"] == [2.0**12, 2.0**11, 2.0**11, 2.0**12, 2.0**12]
+    assert not torch.isfinite(torch.tensor(res[0]["losses"][1])) and all(
+        torch.isfinite(torch.tensor(x)) for i, x in enumerate(res[0]["losses"]) if i != 1)

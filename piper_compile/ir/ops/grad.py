@@ -46,7 +46,7 @@ class GradReduce(Collective):
     def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
         algo = "reduce_scatter" if self.scatter else "all_reduce"
         return cost.collective_time(ins, rank, algo, len(self.members(ins.node, rank)),
-                                    cost.params_bytes(self.params))
+                                    cost.params_bytes(self.params, "reduce"))
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
         rt.count("grad")
@@ -139,7 +139,7 @@ class NormReduce(_ScalarAllReduce):
 
     NAME = "norm_reduce"
     LABEL = "gradnorm"
-    max_norm: float
+    max_norm: float  # 0: no clipping (the sum is fp16 loss scaling's inf/NaN check, runtime/loss_scale.py)
 
     def value(self, rt: Any) -> Any:
         return rt.state.local_grad_sq(rt.update, rt.grads, rt.rank)

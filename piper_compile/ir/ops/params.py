@@ -42,13 +42,14 @@ class ParamGather(Collective):
         return f"AG.{self.bucket.rsplit('.', 1)[-1]}{where}@{node.stream}"
 
     def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
+        as_ = "compute" if self.for_step else "master"  # ZeRO-3 gathers the compute copy; ZeRO-1/2 the master
         return cost.collective_time(ins, rank, "all_gather", len(self.members(ins.node, rank)),
-                                    cost.params_bytes(self.params))
+                                    cost.params_bytes(self.params, as_))
 
     def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
         from piper_compile.ir.dag import param_fqn
 
-        return [(v, sizes.params_bytes([param_fqn(v)]), True) for v in node.outputs]
+        return [(v, sizes.params_bytes([param_fqn(v)], "compute"), True) for v in node.outputs]
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
         from piper_compile.ir.dag import param_fqn
