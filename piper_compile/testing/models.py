@@ -34,6 +34,17 @@ class MLPChain(nn.Module):
         return torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
 
 
+class AutocastMLP(MLPChain):
+    """``MLPChain`` whose layers run under ``torch.autocast`` (bf16 matmuls on fp32 weights, the loss in
+    fp32 outside it): a user's own autocast, captured by Dynamo, alone or under a mixed-precision policy."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+        return F.mse_loss(x.float(), y.float())
+
+
 class SkipNet(nn.Module):
     """A residual that jumps from the first layer over every later stage boundary to the loss."""
 
@@ -230,7 +241,7 @@ class TanhGELUMLP(nn.Module):
         return x, torch.randint(0, self.head.out_features, (n,), generator=gen)
 
 
-MODELS = {"mlp": MLPChain, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
+MODELS = {"mlp": MLPChain, "autocast_mlp": AutocastMLP, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
           "gelu_tanh": TanhGELUMLP}
 
 

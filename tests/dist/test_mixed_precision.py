@@ -114,3 +114,9 @@ def test_tp2_sequence_parallel_bf16():
     # bf16 all-reduce does) where the reference rounds one full matmul: ~3e-3 apart, fp32 training ~5e-3.
     # The bounds still fail a lost reduction (O(1)) or a run that computed in fp32 (0 from fp32).
     run_mixed_parity(cfg, 2, max_err=0.01, closer=0.8)
+
+
+def test_pp2_x_dp2_zero3_autocast_in_forward_under_bf16_policy():
+    cfg = RunConfig(model="autocast_mlp", stages=2, local_batch=8, directives=_pp_dp(3), steps=3, optimizer=ADAMW,
+                    mixed_precision=BF16)
+    run_mixed_parity(cfg, 4)

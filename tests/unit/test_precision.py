@@ -194,3 +194,17 @@ def test_one_rank_fp16_matches_grad_scaler_on_eager_and_skips_an_overflow():
     assert res[0]["scales"] == [2.0**12, 2.0**11, 2.0**11, 2.0**12, 2.0**12]
     assert not torch.isfinite(torch.tensor(res[0]["losses"][1])) and all(
         torch.isfinite(torch.tensor(x)) for i, x in enumerate(res[0]["losses"]) if i != 1)
+
+
+def test_autocast_in_the_forward_alone_and_under_a_policy():
+    """The user's own ``torch.autocast`` (bf16 matmuls) is captured by Dynamo and runs as eager runs it:
+    alone (fp32 parameters, no policy) within fp32 summation noise of eager; under a bf16 policy (the
+    autocast region then sees bf16 weights) within the mixed-precision bounds of ``run_mixed_parity``."""
+    from piper_compile.testing.parity import RunConfig, run_mixed_parity, run_parity
+
+    adamw = ("AdamW", {"lr": 1e-2})
+    res = run_parity(RunConfig(model="autocast_mlp", steps=3, optimizer=adamw), 1, rtol=1e-5, atol=1e-6)
+    assert all(p.dtype is torch.float32 for p in res[0]["params"].values())
+    cfg = RunConfig(model="autocast_mlp", directives=[piper.split(2)], steps=3, optimizer=adamw,
+                    mixed_precision={"param_dtype": "bf16"})
+    run_mixed_parity(cfg, 1)
