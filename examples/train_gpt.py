@@ -60,8 +60,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         loss = step(tokens[lo:hi], labels[lo:hi])  # one whole step: 8 micro-batches fwd+bwd, grad sync, AdamW
         losses.append(loss.item())
-        if rank == 0:
-            print(f"step {s:3d}  loss {loss.item():.4f}  ({time.perf_counter() - t0:.2f}s)", flush=True)
+        if rank == 0:  # piper.stats: step time, throughput, TFLOP/s, MFU and where the time went
+            print(f"step {s:3d}  loss {loss.item():.4f}  ({time.perf_counter() - t0:.2f}s)  "
+                  f"{piper.stats(step).line()}", flush=True)
     if rank == 0:
         print(piper.explain(step).splitlines()[0])
     # For the parity check: the parameters this rank updates, by position in model.parameters().

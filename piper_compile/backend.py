@@ -8,6 +8,7 @@ program, compile this rank's segments, create process groups, broadcast rank 0's
 from __future__ import annotations
 
 import copy
+import logging
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import (
     Replicate, filter_matches, split_backward_filters,
 )
+from piper_compile import metrics
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.ir.meta import PrecisionMeta
@@ -372,8 +374,16 @@ class CompiledStep:
         self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
         loss = plan.executor.run(list(args), check)
         if train:
+            self._log_stats()
             loss = _NoopBackward.apply(loss, _ANCHOR)
         return (loss,)
+
+    def _log_stats(self) -> None:
+        """``options["log_stats"] = N``: ``piper.stats``'s line at INFO every N training steps."""
+        every = self.options.log_stats
+        self.trained_calls = getattr(self, "trained_calls", 0) + 1
+        if every and self.trained_calls % every == 0 and metrics.LOG.isEnabledFor(logging.INFO):
+            metrics.LOG.info("piper rank %d step %d: %s", self.rank, self.trained_calls, metrics.metrics_of(self).line())
 
     def _local_call(self, args: tuple[Any, ...], train: bool) -> torch.Tensor:
         """A call inside ``piper.local()``: this rank alone, forward-only, no communication."""

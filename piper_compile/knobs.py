@@ -76,6 +76,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_REORDER_WINDOW", "int", 8, "default of options['reorder_window']: how many compute steps "
          "ahead the runtime may run while a step waits for its input; 0 keeps program order except for "
          "overlap slots"),
+    Knob("PIPER_LOG_STATS", "int", 0, "default of options['log_stats']: log piper.stats's one-line metrics "
+         "at INFO on the 'piper_compile.stats' logger every N training steps (0: never)"),
+    Knob("PIPER_PEAK_TFLOPS", "float", 0.0, "the device's peak TFLOP/s that piper.stats computes MFU against "
+         "(default: a table of common GPUs by name and dtype; on CPU a measured matmul peak)"),
     Knob("PIPER_INDUCTOR_CACHE", "flag", False, "let Inductor's on-disk FX graph cache serve compiled "
          "segments (first step ~2x faster, ~150 MiB more RSS per process)"),
     Knob("PIPER_FUSED_OPTIMIZER", "flag", True, "build piper's optimizer with fused=True where that is known "

@@ -16,7 +16,7 @@ from piper_compile.knobs import KNOBS, knob
 from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
-                         "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling"})
+                         "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling", "log_stats"})
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Options:
     overlap_streams: bool = True  # CUDA: an overlap slot's two compute steps on two streams (runtime/executor.py)
     reorder_window: int = 8  # gloo: compute steps ahead a waiting step may let run first (plan/reorder.py)
     precision: Precision = Precision()  # options["mixed_precision"] (precision.py)
+    log_stats: int = 0  # log piper.stats's line at INFO every N training steps (metrics.py); 0: never
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -52,7 +53,7 @@ class Options:
                    _flag(options, "overlap_streams", "on CUDA, run the two compute steps of an overlap slot on "
                          "two streams"),
                    _window(options), Precision.parse(options.get("mixed_precision"), opt is not None,
-                                                    options.get("loss_scaling")))
+                                                    options.get("loss_scaling")), _every(options))
 
 
 def _optimizer(opt: Any) -> Callable[..., torch.optim.Optimizer] | None:
@@ -92,6 +93,14 @@ def _clip(clip: Any, opt: Any) -> float | None:
         raise PiperError("piper: options['clip_grad_norm'] clips before piper's optimizer step, so it needs "
                          "options['optimizer']; without one, clip param.grad yourself after the call")
     return float(clip)
+
+
+def _every(options: dict[str, Any]) -> int:
+    value = options["log_stats"] if "log_stats" in options else knob("PIPER_LOG_STATS")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PiperError(f"piper: options['log_stats'] must be a whole number of steps >= 0 (log piper.stats "
+                         f"every N training steps at INFO on the 'piper_compile.stats' logger; 0: never), got {value!r}")
+    return value
 
 
 def _flag(options: dict[str, Any], key: str, meaning: str) -> bool:

@@ -144,6 +144,7 @@ class CallCheck:
         self.record, self.layout, self.rank, self.world = record, layout, rank, world
         self.timeout_s = timeout_s
         self._weights: Weights | None = None
+        self.batches: list[int] = []  # every rank's local batch (after resolve)
         self.table = torch.zeros(world, 6, dtype=torch.int64)
         self.table[rank] = torch.tensor(record.row(), dtype=torch.int64)
         self.started = time.perf_counter()
@@ -164,8 +165,15 @@ class CallCheck:
                 self._wait()
             rows = [CallRecord.from_row(r) for r in self.table.tolist()]
             validate(rows, self.layout)
-            self._weights = weights_for(self.layout, [r.batch for r in rows], self.rank)
+            self.batches = [r.batch for r in rows]
+            self._weights = weights_for(self.layout, self.batches, self.rank)
         return self._weights
+
+    def global_batch(self) -> int:
+        """The step's samples over every replica (after ``resolve``): the loss holders' local batches,
+        each replica counted once (its tensor-parallel ranks see the same rows)."""
+        self.resolve()
+        return sum(self.batches[h] for h in self.layout.holders) // self.layout.tp
 
     def _wait(self) -> None:
         """Wait for the table. Only a check still open after ``_SLOW_S`` costs anything more: this rank

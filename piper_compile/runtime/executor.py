@@ -146,11 +146,13 @@ class Executor:
             for w in self._needs[j]:
                 item = step.pending.get(w)
                 if side is None:
-                    self.wait(step, w)
+                    self._timed_wait(step, w)
                 elif item is not None and item[0] is not None:
                     self._block(*item)
             self.rec.begin()
+            t0 = time.perf_counter()
             self.compute(step, partner, False)
+            self.stats.compute_s += time.perf_counter() - t0
             self.rec.end(j, partner, None)
         ran_early[j] = side is not None
         if side is None:
@@ -171,6 +173,20 @@ class Executor:
                 return
             self._run_early(step, pos, k, "host", ran_early)
             self.stats.filled += 1
+
+    def _timed_wait(self, step: Step, name: str) -> None:
+        """``wait``, its time recorded for the trace and counted as exposed communication (collectives)
+        or as waiting for a peer (stage-to-stage messages)."""
+        item = step.pending.get(name)
+        tw, t0 = self.rec.now(), time.perf_counter()
+        self.wait(step, name)
+        self.rec.complete(name, tw)
+        if item is not None:
+            waited = time.perf_counter() - t0
+            if item[1].node.kind in (Kind.SEND, Kind.RECV):
+                self.stats.p2p_wait_s += waited
+            else:
+                self.stats.comm_wait_s += waited
 
     def wait(self, step: Step, name: str) -> None:
         """Wait for asynchronous instruction ``name`` (if in flight) and run what its completion does."""
@@ -246,6 +262,9 @@ class Executor:
             check.resolve()  # raises on every rank
         self.rec.step_begin()
         self.stats = StepStats()
+        if self.state.device.type == "cuda":  # the device's step time (piper.stats reads it)
+            self.stats.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.stats.events[0].record()
         step = Step(self, args, check)
         if self.grads is not None:
             self.grads.zero_()
@@ -253,12 +272,13 @@ class Executor:
         for pos, ins in enumerate(self.program.instrs):
             self._step(step, pos, ins, ran_early)
         for name in list(step.pending):
-            tw = self.rec.now()
-            self.wait(step, name)
-            self.rec.complete(name, tw)
+            self._timed_wait(step, name)
         loss = step.result.get("loss")
         if loss is None:  # single rank or loss computed here without a world reduce
             loss = step.loss_sum / step.weights().loss_divisor
+        self.stats.samples, self.stats.symbols = step.check.global_batch(), step.syms
+        if self.stats.events is not None:
+            self.stats.events[1].record()
         self.stats.seconds = time.perf_counter() - step.t0
         self.rec.step_end()
         return loss
@@ -282,14 +302,16 @@ class Executor:
         if pos in self._fillers:
             self._fill(step, pos, ran_early)
         for w in ins.waits:
-            tw = self.rec.now()
-            self.wait(step, w)
-            self.rec.complete(w, tw)
+            self._timed_wait(step, w)
         self.rec.begin()
+        t0 = time.perf_counter()
         if isinstance(n.op, Local):
             self.compute(step, ins)
+            self.stats.compute_s += time.perf_counter() - t0
         else:
             n.op.start(step, ins, pos)
+            if n.kind is Kind.UPDATE:
+                self.stats.update_s += time.perf_counter() - t0
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, step.live)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, step.gathered)
         for v in ins.frees:

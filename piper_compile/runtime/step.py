@@ -36,6 +36,15 @@ class StepStats:
     reordered: int = 0  # overlap partners run ahead of (or beside) a predecessor still waiting for its input
     filled: int = 0  # later steps run while an earlier one waited for its input (the reorder window)
     seconds: float = 0.0
+    # where the host's time went (piper.stats): compute steps, the optimizer update, blocked on collectives
+    # (exposed communication) and on peers' stage-to-stage messages (waiting: pipeline bubbles, skew)
+    compute_s: float = 0.0
+    update_s: float = 0.0
+    comm_wait_s: float = 0.0
+    p2p_wait_s: float = 0.0
+    samples: int = 0  # the global batch of the step (every replica's samples)
+    symbols: dict[str, int] = field(default_factory=dict)  # the step's size symbols (FLOP counts read them)
+    events: tuple[Any, Any] | None = None  # CUDA: events at the step's start and end (device step time)
 
 
 def _split_mb(name: str) -> tuple[str, int | None]:

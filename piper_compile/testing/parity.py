@@ -143,7 +143,7 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     owned = {k: values[by_id[id(p)]].cpu() for k, p in enumerate(params) if by_id.get(id(p)) in values}
     stats = piper.last_stats(step)
     return {"losses": losses, "scales": scales, "params": owned, "eval_loss": eval_loss, "program": program.to_text(),
-            "collectives": dict(stats.collectives), "p2p": stats.p2p, "stats": stats,
+            "collectives": dict(stats.collectives), "p2p": stats.p2p, "stats": stats, "metrics": piper.stats(step),
             "memory": piper.memory_report(step) if not cfg.user_optimizer else None,
             "fallbacks": sorted(n for n, c in cs.compiled.items() if c.fallback), "tp_partial": sorted(cs.tp_partial)}
 

@@ -1,0 +1,72 @@
+"""piper.stats(step): per-step metrics (metrics.py) on one rank: the FLOP count from the captured graph
+against the analytic count of a GPT, throughput in tokens, MFU against a peak, the time split, the log line."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+import piper_compile as piper
+from piper_compile.errors import PiperError
+from piper_compile.options import Options
+from piper_compile.testing.models import build_model
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+CFG = {"vocab": 256, "seq": 64, "dim": 128, "heads": 4, "layers": 2}
+
+
+def _analytic_gpt_flops(model: torch.nn.Module, tokens: int) -> tuple[float, float]:
+    """(6 N tokens + attention, the same with N = only the matmul weights): each matmul weight costs 2
+    FLOPs per token forward, 4 backward (input and weight gradients); attention (QK^T and PV, 2 T d each
+    per token and layer forward, not discounted for the causal mask) 3x that for training."""
+    c = model.cfg
+    attention = 12 * c.layers * c.seq * c.dim * tokens
+    n_all = sum(p.numel() for p in model.parameters())
+    n_matmul = c.layers * 12 * c.dim**2 + c.vocab * c.dim  # qkv, proj, fc, out; the tied head
+    return 6 * n_all * tokens + attention, 6 * n_matmul * tokens + attention
+
+
+def test_flops_of_the_captured_gpt_match_the_analytic_count():
+    model = build_model("gpt", 0, **CFG)
+    step = piper.compile(model, directives=[piper.split(2)], codegen="eager", optimizer=ADAMW)
+    batch = model.make_batch(4, torch.Generator().manual_seed(0))
+    for _ in range(2):
+        step(*batch)
+    m = piper.stats(step)
+    tokens = 4 * CFG["seq"]
+    rough, exact = _analytic_gpt_flops(model, tokens)
+    assert abs(m.flops - rough) <= 0.05 * rough, (m.flops, rough)
+    assert m.flops == exact  # every matmul of the joint graph, and nothing else, counted once
+    assert m.samples == 4 and m.tokens == tokens and m.tokens_per_s == pytest.approx(tokens / m.step_time_s)
+    assert m.step_time_s > 0 and 0 < m.compute_s <= m.step_time_s and m.update_s > 0
+    assert m.exposed_comm_s == 0 and m.wait_s == 0  # one rank: nothing to wait for
+    assert m.peak_source == "measured CPU matmul" and m.peak_tflops > 0 and 0 < m.mfu < 1.5
+    assert m.peak_memory_bytes > 0 and "MFU" in m.line() and "tok/s" in m.line()
+
+
+def test_samples_without_token_ids_and_peak_override(monkeypatch):
+    monkeypatch.setenv("PIPER_PEAK_TFLOPS", "100")
+    model = build_model("mlp", 0)
+    step = piper.compile(model, codegen="eager", optimizer=ADAMW)
+    step(*model.make_batch(8, torch.Generator().manual_seed(0)))
+    m = piper.stats(step)
+    assert m.tokens == 0 and m.samples == 8 and "samples/s" in m.line()
+    assert (m.peak_tflops, m.peak_source) == (100.0, "PIPER_PEAK_TFLOPS")
+    # 4 Linear(32, 32): forward, input and weight gradients, except the input gradient of the first
+    assert m.flops == (3 * 4 - 1) * 2 * 8 * 32 * 32
+
+
+def test_log_stats_writes_one_info_line_every_n_steps(caplog):
+    model = build_model("mlp", 0)
+    step = piper.compile(model, codegen="eager", optimizer=ADAMW, log_stats=2)
+    batch = model.make_batch(8, torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.INFO, logger="piper_compile.stats"):
+        for _ in range(4):
+            step(*batch)
+    lines = [r.getMessage() for r in caplog.records if r.name == "piper_compile.stats"]
+    assert len(lines) == 2 and all("MFU" in x and "samples/s" in x for x in lines), lines
+    assert lines[0].startswith("piper rank 0 step 2:")
+    with pytest.raises(PiperError, match="log_stats"):
+        Options.parse({"log_stats": -1})
