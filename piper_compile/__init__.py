@@ -46,6 +46,18 @@ from piper_compile.api import (  # noqa: E402
     StaticPlan, compile, compiled_steps, explain, last_stats, loss_scaler, optimizer, plan, trained_parameters,
 )
 from piper_compile.backend import piper_backend  # noqa: E402
+
+
+def _register_backend() -> None:
+    """``backend="piper"`` also where the package is not pip-installed (its entry point then is missing:
+    e.g. the repository on ``PYTHONPATH`` on a GPU machine that cannot install anything)."""
+    if "piper" not in _dynamo.list_backends(exclude_tags=()):
+        _dynamo.register_backend(piper_backend, name="piper")
+
+
+import torch._dynamo as _dynamo  # noqa: E402
+
+_register_backend()
 from piper_compile.capture.annotate import annotate  # noqa: E402
 from piper_compile.checkpoint import (  # noqa: E402
     CheckpointIncomplete, LoadResult, full_state_dict, load, load_full_state_dict, materialize_optimizer_state, save, sharded_state_dict,

@@ -80,6 +80,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "at INFO on the 'piper_compile.stats' logger every N training steps (0: never)"),
     Knob("PIPER_PEAK_TFLOPS", "float", 0.0, "the device's peak TFLOP/s that piper.stats computes MFU against "
          "(default: a table of common GPUs by name and dtype; on CPU a measured matmul peak)"),
+    Knob("PIPER_HOST_STAGING", "choice", "auto", "CUDA tensors on gloo groups (ranks sharing a GPU) move through "
+         "pinned host buffers ('auto'); 'always' stages CPU tensors too, so CPU tests run that path",
+         ("auto", "always")),
     Knob("PIPER_INDUCTOR_CACHE", "flag", False, "let Inductor's on-disk FX graph cache serve compiled "
          "segments (first step ~2x faster, ~150 MiB more RSS per process)"),
     Knob("PIPER_FUSED_OPTIMIZER", "flag", True, "build piper's optimizer with fused=True where that is known "

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from piper_compile.runtime import comm
 from piper_compile.nn.experts import grouped_swiglu, grouped_swiglu_backward, route as sort_slots
 
 
@@ -34,7 +34,7 @@ class Route:
 
 
 def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Any:
-    return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return comm.all_to_all(out, inp, out_splits, in_splits, group)
 
 
 @dataclass
@@ -52,7 +52,7 @@ def exchange_counts(idx: torch.Tensor, experts: int, group: Any) -> tuple[Any, C
     experts per rank). The DISPATCH after it waits for the work and then knows its split sizes."""
     order, counts = sort_slots(idx, experts)
     recv_counts = torch.empty_like(counts)
-    work = dist.all_to_all_single(recv_counts, counts, group=group, async_op=True)
+    work = comm.all_to_all(recv_counts, counts, None, None, group)
     return work, Counts(order, counts, recv_counts)
 
 

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from piper_compile.ir.shard import ParamShard
+from piper_compile.runtime import comm
 
 
 @dataclass
@@ -66,5 +66,5 @@ class LocalShard:
         if len(self.group) == 1:
             return local.clone()
         parts = [torch.empty_like(local) for _ in self.group]
-        dist.all_gather(parts, local, group=groups.get(self.stream, self.group))
+        comm.all_gather_list(parts, local, groups.get(self.stream, self.group))
         return self.spec.assemble(parts)

@@ -14,6 +14,7 @@ from piper_compile.errors import PiperError
 from piper_compile.ir.ops import Update
 from piper_compile.ir.shard import ParamShard
 from piper_compile.precision import Precision
+from piper_compile.runtime import comm
 from piper_compile.runtime.loss_scale import LossScaler
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
@@ -236,7 +237,7 @@ class TrainState:
         if dist.is_initialized() and dist.get_world_size() > 1:
             with torch.no_grad():
                 for t in tensors:
-                    dist.broadcast(t.detach(), src=0)
+                    comm.broadcast(t.detach(), 0)
         self.broadcast_done = True
 
     # -- the update ------------------------------------------------------------------------------

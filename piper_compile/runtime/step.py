@@ -17,6 +17,7 @@ import torch.distributed as dist
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT
 from piper_compile.errors import PiperRuntimeError
 from piper_compile.plan.program import Instr
+from piper_compile.runtime import comm
 from piper_compile.runtime.consistency import CallCheck, Weights
 from piper_compile.runtime.zero import tensor_bytes
 
@@ -163,7 +164,7 @@ class Step:
         """Start a SUM all-reduce of ``t`` over ``ranks`` (None on a group of one)."""
         if len(ranks) == 1:
             return None
-        return dist.all_reduce(t, group=self.group(stream, ranks), async_op=True)
+        return comm.all_reduce(t, self.group(stream, ranks))
 
     def keep(self, name: str, t: torch.Tensor) -> None:
         """Keep ``t`` alive until collective ``name`` completes."""

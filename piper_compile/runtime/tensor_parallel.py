@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from piper_compile.runtime.zero import all_gather, reduce_scatter
+from piper_compile.runtime.comm import all_gather, reduce_scatter
 
 
 def _front(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from piper_compile.errors import PiperError
@@ -19,17 +18,7 @@ from piper_compile.plan.program import Program
 
 Layout = dict[str, tuple[tuple[str, ...], tuple[int, ...], int, str]]  # bucket -> (fqns, devices, level, stream)
 
-# all_gather_single / reduce_scatter_single replace the *_tensor names in newer torch (>= 2.13)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    return _all_gather(out, inp, group=group, async_op=True)
-
-
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    return _reduce_scatter(out, inp, group=group, async_op=True)
+from piper_compile.runtime.comm import all_gather
 
 
 def layout_of(program: Program) -> Layout:

@@ -29,6 +29,7 @@ class RunConfig:
     seed: int = 0
     no_grad_eval: bool = False  # also run one forward-only call under torch.no_grad() after training
     device: str = "cpu"  # "cuda": rank r trains on GPU r over NCCL
+    shared_gpu: bool = False  # with device "cuda": every rank on GPU 0, over gloo (runtime/comm.py stages)
     scheduler: tuple[str, dict[str, Any]] | None = None  # torch.optim.lr_scheduler class name and kwargs
     clip_grad_norm: float | None = None
     tp: int = 1  # tensor-parallel group size: consecutive ranks of a group share one replica's batch
@@ -36,6 +37,10 @@ class RunConfig:
     mixed_precision: Any = None  # options["mixed_precision"]; the reference computes in the same dtypes
     loss_scaling: Any = None  # options["loss_scaling"] (fp16); the reference steps a torch.amp.GradScaler
     poison: tuple[int, int] | None = None  # (step, row): that global batch row's first input is inf
+
+    def backend(self) -> str:
+        """The process group backend of a run: NCCL for one GPU per rank, else gloo."""
+        return "nccl" if self.device == "cuda" and not self.shared_gpu else "gloo"
 
     def pieces(self, world: int) -> int:
         """How many micro-batches the global batch is cut into (replicas x the ``split`` count)."""
@@ -275,8 +280,7 @@ def assert_parity(results: list[dict[str, Any]], ref: dict[str, Any], rtol: floa
 def run_parity(cfg: RunConfig, world: int, rtol: float = 1e-5, atol: float = 1e-6) -> list[dict[str, Any]]:
     from piper_compile.testing.launch import run_local
 
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
-    results = run_local(piper_worker, world, cfg, backend=backend) if world > 1 else [piper_worker(0, 1, cfg)]
+    results = run_local(piper_worker, world, cfg, backend=cfg.backend()) if world > 1 else [piper_worker(0, 1, cfg)]
     assert_parity(results, eager_reference(cfg, world), rtol, atol)
     return results
 
@@ -304,7 +308,7 @@ def run_mixed_parity(cfg: RunConfig, world: int, max_err: float = 2e-5, closer: 
     pass looser bounds."""
     from piper_compile.testing.launch import run_local
 
-    results = run_local(piper_worker, world, cfg) if world > 1 else [piper_worker(0, 1, cfg)]
+    results = run_local(piper_worker, world, cfg, backend=cfg.backend()) if world > 1 else [piper_worker(0, 1, cfg)]
     ref = eager_reference(cfg, world)
     ref32 = eager_reference(dataclasses.replace(cfg, mixed_precision=None, loss_scaling=None, poison=None), world)
     init = [p.detach().cpu() for p in _model(cfg).parameters()]

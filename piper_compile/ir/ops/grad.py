@@ -67,7 +67,7 @@ class GradReduce(Collective):
         """ZeRO-2/3: the bucket's summed gradient, this rank's shard only; the full buffer is released.
         The previous reduce-scatters are retired first (as FSDP does), so at most one full bucket is in
         flight: polling cannot do it, gloo's reduce-scatter only reports completion once waited on."""
-        from piper_compile.runtime.zero import reduce_scatter
+        from piper_compile.runtime.comm import reduce_scatter
 
         rt.retire_kept()
         zero = rt.state.zero

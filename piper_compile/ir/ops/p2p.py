@@ -72,10 +72,10 @@ class Send(PointToPoint):
         return self.dst[node.devices.index(rank)]
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
-        import torch.distributed as dist
+        from piper_compile.runtime import comm
 
         t = rt.grads.view(self.state) if self.state else rt.get(ins.node.inputs[0])
-        rt.issue(ins, pos, dist.isend(t.contiguous(), dst=ins.peer, group=rt.p2p_group(ins)))
+        rt.issue(ins, pos, comm.isend(t, ins.peer, rt.p2p_group(ins)))
         rt.stats.p2p += 1
 
 
@@ -104,7 +104,8 @@ class Recv(PointToPoint):
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
         import torch
-        import torch.distributed as dist
+
+        from piper_compile.runtime import comm
 
         if self.state:
             buf = rt.grads.view(self.state)
@@ -112,5 +113,5 @@ class Recv(PointToPoint):
             shape = [rt.eval(d) for d in self.shape]
             buf = torch.empty(shape, dtype=getattr(torch, self.dtype), device=rt.device)
             rt.put(ins.node.outputs[0], buf)
-        rt.issue(ins, pos, dist.irecv(buf, src=ins.peer, group=rt.p2p_group(ins)))
+        rt.issue(ins, pos, comm.irecv(buf, ins.peer, rt.p2p_group(ins)))
         rt.stats.p2p += 1

@@ -1,0 +1,163 @@
+"""Single-device throughput: piper (one rank, micro-batched, Inductor) vs ``torch.compile`` of the same
+GPT with the same optimizer, in bf16 with fp32 master weights.
+
+    piper  piper.compile(model, directives=[split(M)], mixed_precision={"param_dtype": "bf16"},
+           optimizer=AdamW): a bf16 compute copy, M micro-batches, gradients accumulated in fp32
+    peer   torch.compile(model) under torch.autocast(bf16) on the whole batch, fp32 parameters,
+           loss.backward(); AdamW.step() (the usual AMP recipe)
+
+Both use the AdamW piper builds (``runtime/optimizer.build_optimizer``: fused where that updates like the
+default). Per variant: median step time of ``--steps`` timed steps after ``--warmup`` (the device is
+synchronised around each step), tokens/s, MFU (the FLOPs of piper's captured graph, the same work for
+both, over the device peak of ``metrics.peak_tflops``) and the allocator's peak memory (CUDA; on CPU the
+process's peak RSS). ``--out DIR`` also writes the Perfetto trace of one piper step (``DIR/trace/``)
+and ``DIR/bench_gpu.json``. The default model is ~350M parameters (``--preset 350m``); ``--preset
+tiny`` runs in seconds (the CPU smoke run of ``scripts/gpu_check.sh``), where the ratio means little.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import piper_compile as piper  # noqa: E402
+from piper_compile.metrics import peak_tflops  # noqa: E402
+from piper_compile.runtime.optimizer import build_optimizer  # noqa: E402
+from piper_compile.testing.models import GPT, GPTConfig  # noqa: E402
+
+PRESETS = {"350m": GPTConfig(vocab=50304, seq=1024, dim=1024, heads=16, layers=24),
+           "125m": GPTConfig(vocab=50304, seq=1024, dim=768, heads=12, layers=12),
+           "tiny": GPTConfig(vocab=256, seq=64, dim=64, heads=4, layers=2)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _time(step: Callable[[], Any], device: torch.device, warmup: int, steps: int) -> tuple[float, float]:
+    """(first step's seconds, median seconds of the timed steps)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def _model(cfg: GPTConfig, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg).to(device)
+
+
+def run_piper(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tensor, ...], device: torch.device) -> dict:
+    model = _model(cfg, device)
+    opt = functools.partial(torch.optim.AdamW, lr=1e-4)
+    step = piper.compile(model, directives=[piper.split(args.microbatches)], optimizer=opt, codegen=args.codegen,
+                         mixed_precision={"param_dtype": "bf16"})
+    _reset_peak(device)
+    first, median = _time(lambda: step(*batch), device, args.warmup, args.steps)
+    metrics = piper.stats(step)
+    out = {"first_s": first, "step_s": median, "peak_bytes": _peak_bytes(device), "flops": metrics.flops,
+           "loss": float(step(*batch))}
+    if args.out:  # one more step with the recorder on: its Perfetto trace
+        from piper_compile.runtime.trace import Recorder, flush_traces
+
+        cs = piper.compiled_steps(step)[0]
+        ex = cs.plans[False].executor
+        ex.rec = Recorder(ex.program, Path(args.out) / "trace")
+        step(*batch)
+        flush_traces()
+        out["trace"] = str(Path(args.out) / "trace" / "rank0.json")
+    return out
+
+
+def run_peer(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tensor, ...], device: torch.device) -> dict:
+    model = _model(cfg, device)
+    opt = build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-4), list(model.parameters()))
+    compiled = torch.compile(model, backend="inductor" if args.codegen == "inductor" else "aot_eager")
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = compiled(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    _reset_peak(device)
+    first, median = _time(step, device, args.warmup, args.steps)
+    return {"first_s": first, "step_s": median, "peak_bytes": _peak_bytes(device), "loss": float(step().detach())}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="350m")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--codegen", choices=["inductor", "eager"], default="inductor")
+    p.add_argument("--out", default="", help="folder for bench_gpu.json and the Perfetto trace")
+    args = p.parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    cfg = PRESETS[args.preset]
+    gen = torch.Generator().manual_seed(0)
+    batch = tuple(t.to(device) for t in GPT(cfg).make_batch(args.batch, gen))
+    nparams = sum(p.numel() for p in GPT(cfg).parameters())
+    peer = run_peer(cfg, args, batch, device)
+    torch._dynamo.reset()
+    mine = run_piper(cfg, args, batch, device)
+    peak, source = peak_tflops(device, torch.bfloat16)
+    tokens = args.batch * cfg.seq
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "params": nparams, "tokens_per_step": tokens, "peak_tflops": peak, "peak_source": source,
+              "piper": mine, "peer": peer, "ratio": mine["step_s"] / peer["step_s"]}
+    for r in (mine, peer):
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["mfu"] = mine["flops"] / r["step_s"] / 1e12 / peak if peak else 0.0
+    print(f"bench_gpu {args.preset} ({nparams / 1e6:.0f}M params, {result['device']}, bf16, batch {args.batch} x "
+          f"{cfg.seq}, {args.microbatches} micro-batches): piper {mine['step_s'] * 1e3:.1f} ms  torch.compile "
+          f"{peer['step_s'] * 1e3:.1f} ms  ratio piper/peer {result['ratio']:.3f}  (throughput "
+          f"{1 / result['ratio']:.3f}x)  tok/s {mine['tokens_per_s']:,.0f} vs {peer['tokens_per_s']:,.0f}  MFU "
+          f"{100 * mine['mfu']:.1f}% vs {100 * peer['mfu']:.1f}%  peak mem {mine['peak_bytes'] / 2**30:.2f} vs "
+          f"{peer['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, "bench_gpu.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Every collective and message the runtime issues, in one place, with host staging.
+
+NCCL refuses two ranks on one GPU, so ranks that share a GPU run over gloo, and gloo does not move CUDA
+tensors for every operation (point-to-point, all-to-all, reduce-scatter). Each function here issues
+its operation as is, unless the tensor is on CUDA and the group is a gloo group: then it is *staged*
+through pinned host memory -- the inputs copied to host buffers (synchronously, so the host copy is
+complete before gloo reads it), the operation issued on those, and the outputs copied back to the
+device when the work is waited for (``Staged.wait``). Staging is automatic; ``PIPER_HOST_STAGING=always``
+also stages CPU tensors (through plain host copies), so CPU tests run the same path.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from piper_compile.knobs import knob
+
+# all_gather_single / reduce_scatter_single replace the *_tensor names in newer torch (>= 2.13)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Staged:
+    """A staged operation's work: waiting for it waits for gloo's work on the host buffers, then copies
+    the received host buffers back into the device tensors (once)."""
+
+    def __init__(self, work: Any, copy_back: list[tuple[torch.Tensor, torch.Tensor]],
+                 keep: list[torch.Tensor] | None = None) -> None:
+        self.work, self.copy_back = work, copy_back
+        self.keep = keep or []  # host buffers gloo reads or writes until the work completes
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        ok = True
+        if self.work is not None:
+            ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+        if ok is not False:
+            for dst, host in self.copy_back:
+                dst.copy_(host, non_blocking=dst.is_cuda)
+            self.copy_back = []
+        return ok
+
+    def get_future(self) -> Any:
+        if self.work is None:
+            raise RuntimeError("no work")
+        return self.work.get_future()
+
+
+def _staged(t: torch.Tensor, group: Any) -> bool:
+    if knob("PIPER_HOST_STAGING") == "always":
+        return True
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def _host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A host buffer shaped like ``t`` (pinned for CUDA tensors), holding ``t``'s values when ``copy``."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    if copy:
+        h.copy_(t)
+    return h
+
+
+def _run(issue: Callable[..., Any], group: Any, sent: list[torch.Tensor], got: list[torch.Tensor]) -> Any:
+    """``issue(*sent, *got)`` on the tensors themselves, or on host copies (``got`` copied back at wait)."""
+    probe = (sent or got)[0]
+    if not _staged(probe, group):
+        return issue(*sent, *got)
+    hs = [_host(t) for t in sent]
+    hg = [_host(t, copy=False) for t in got]
+    return Staged(issue(*hs, *hg), list(zip(got, hg)), hs)
+
+
+def all_reduce(t: torch.Tensor, group: Any) -> Any:
+    """Start a SUM all-reduce of ``t`` in place."""
+    if not _staged(t, group):
+        return dist.all_reduce(t, group=group, async_op=True)
+    h = _host(t)
+    return Staged(dist.all_reduce(h, group=group, async_op=True), [(t, h)])
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    return _run(lambda i, o: _ALL_GATHER(o, i, group=group, async_op=True), group, [inp], [out])
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    return _run(lambda i, o: _REDUCE_SCATTER(o, i, group=group, async_op=True), group, [inp], [out])
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+               group: Any) -> Any:
+    return _run(lambda i, o: dist.all_to_all_single(o, i, out_splits, in_splits, group=group, async_op=True),
+                group, [inp.contiguous()], [out])
+
+
+def isend(t: torch.Tensor, dst: int, group: Any) -> Any:
+    return _run(lambda h: dist.isend(h, dst=dst, group=group), group, [t.contiguous()], [])
+
+
+def irecv(buf: torch.Tensor, src: int, group: Any) -> Any:
+    return _run(lambda h: dist.irecv(h, src=src, group=group), group, [], [buf])
+
+
+def broadcast(t: torch.Tensor, src: int, group: Any = None) -> None:
+    """Broadcast ``t`` in place from global rank ``src`` (blocking)."""
+    if not _staged(t, group):
+        dist.broadcast(t, src=src, group=group)
+        return
+    h = _host(t)
+    dist.broadcast(h, src=src, group=group)
+    t.copy_(h)
+
+
+def all_gather_list(parts: list[torch.Tensor], t: torch.Tensor, group: Any) -> None:
+    """``dist.all_gather`` into ``parts`` (blocking)."""
+    if not _staged(t, group):
+        dist.all_gather(parts, t, group=group)
+        return
+    hs = [_host(p, copy=False) for p in parts]
+    dist.all_gather(hs, _host(t), group=group)
+    for p, h in zip(parts, hs):
+        p.copy_(h)

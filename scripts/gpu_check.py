@@ -1,0 +1,126 @@
+"""The body of ``scripts/gpu_check.sh`` (see there): runs each check, collects one row per result and
+prints the summary table. Exit status 1 if any check failed."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+Row = tuple[str, str, str, float]  # check, PASS/FAIL/SKIP, detail, seconds
+
+
+def _env_row() -> Row:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "not installed"
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    return ("environment", "INFO", f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv}, {dev}", 0.0)
+
+
+def _pytest(paths: list[str], out: Path, name: str, timeout: int) -> list[Row]:
+    """Run pytest on ``paths``; one row per test case from its JUnit XML."""
+    xml = out / f"{name}.xml"
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+                               *paths], cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+        (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    except subprocess.TimeoutExpired:
+        return [(name, "FAIL", f"timed out after {timeout}s", time.perf_counter() - t0)]
+    if not xml.exists():
+        return [(name, "FAIL", f"pytest wrote no report (exit {proc.returncode}): {proc.stdout[-300:]}", 0.0)]
+    rows = []
+    for case in ET.parse(xml).iter("testcase"):
+        status, detail = "PASS", ""
+        for tag, word in (("failure", "FAIL"), ("error", "FAIL"), ("skipped", "SKIP")):
+            el = case.find(tag)
+            if el is not None:
+                status, detail = word, (el.get("message") or "").splitlines()[0][:160] if el.get("message") else ""
+        rows.append((f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}", status, detail,
+                     float(case.get("time", 0.0))))
+    return rows or [(name, "FAIL", "no test ran", 0.0)]
+
+
+def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
+    args = ["--out", str(out)] + ([] if gpu else ["--preset", "tiny", "--codegen", "eager", "--steps", "3"])
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "benchmarks/bench_gpu.py", *args], cwd=ROOT, timeout=timeout,
+                              capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return [("bench_gpu", "FAIL", f"timed out after {timeout}s", time.perf_counter() - t0)]
+    secs = time.perf_counter() - t0
+    (out / "bench_gpu.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return [("bench_gpu", "FAIL", (proc.stderr or proc.stdout).strip().splitlines()[-1][:200], secs)]
+    r = json.loads((out / "bench_gpu.json").read_text())
+    p, q = r["piper"], r["peer"]
+    what = "bench_gpu (350M bf16, piper vs torch.compile)" if gpu else "bench_gpu (CPU smoke: tiny, eager)"
+    detail = (f"ratio piper/peer {r['ratio']:.3f}; tok/s {p['tokens_per_s']:,.0f} vs {q['tokens_per_s']:,.0f}; "
+              f"MFU {100 * p['mfu']:.1f}% vs {100 * q['mfu']:.1f}% of {r['peak_tflops']:.3g} TFLOP/s "
+              f"({r['peak_source']}); peak {p['peak_bytes'] / 2**30:.2f} vs {q['peak_bytes'] / 2**30:.2f} GiB; "
+              f"trace {'yes' if Path(p.get('trace', '')).exists() else 'no'}")
+    return [(what, "PASS" if gpu or r["ratio"] > 0 else "FAIL", detail, secs)]
+
+
+def _staging_smoke() -> Row:
+    """CPU: a DP2 x PP2 run with every transfer staged through host buffers, against eager."""
+    os.environ["PIPER_HOST_STAGING"] = "always"
+    t0 = time.perf_counter()
+    try:
+        import piper_compile as piper
+        from piper_compile.testing.parity import RunConfig, run_parity
+
+        cfg = RunConfig(model="mlp", stages=2, steps=2, directives=[
+            *piper.pipeline(2, ranks=[[0, 2], [1, 3]]), piper.split(2), *piper.schedules.one_f_one_b(2, 2),
+            piper.replicate({"PP": "*"}, zero=3, bucket_mb=0.001)])
+        run_parity(cfg, 4, rtol=1e-4, atol=1e-5)
+        return ("host staging on CPU (PIPER_HOST_STAGING=always, PP2 x DP2 ZeRO-3)", "PASS", "matches eager",
+                time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return ("host staging on CPU", "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", time.perf_counter() - t0)
+    finally:
+        os.environ.pop("PIPER_HOST_STAGING", None)
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| check | result | detail | s |", "| --- | --- | --- | --- |"]
+    lines += [f"| {c} | {r} | {d.replace('|', '/')} | {s:.1f} |" for c, r, d, s in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="gpu_check_out")
+    p.add_argument("--quick", action="store_true", help="the CPU smoke parts only (CI)")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.is_available() and not args.quick
+    rows = [_env_row()]
+    if gpu:
+        rows += _pytest(["tests/gpu"], out, "tests_gpu", timeout=360)
+    else:
+        why = "--quick" if args.quick else "no CUDA device (torch.cuda.is_available() is False)"
+        rows.append(("tests/gpu (single GPU, ranks sharing a GPU, Triton kernel, bf16)", "SKIP", why, 0.0))
+        rows.append(_staging_smoke())
+    rows += _bench(out, gpu, timeout=300 if gpu else 240)
+    text = table(rows)
+    print(text)
+    (out / "gpu_check.md").write_text(text + "\n")
+    return 1 if any(r == "FAIL" for _, r, _, _ in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
