@@ -12,6 +12,12 @@ piper: ``annotate`` the stages, ``[*pipeline(S), split(M), *schedules.gpipe|one_
 call per step. pipelining: a hand-written stage module per rank in ``PipelineStage``, ``schedule.step``
 then ``opt.step()``; its loss_fn is the same cross-entropy, grads scaled by 1/M (``scale_grads``).
 
+``--precision bf16``: bf16 compute with fp32 master weights on both sides. piper:
+``mixed_precision={"param_dtype": "bf16"}`` (a bf16 compute copy, bf16 activations between stages). The
+peer: each stage module cast to bf16 (bf16 activations and P2P, the same bytes), its gradients copied
+into fp32 master weights that AdamW steps, which are then copied back into the bf16 module (``Masters``).
+Losses then differ by bf16 rounding, so their check uses a 2% tolerance.
+
 Read ``piper/this`` as piper's median step time divided by the pipelining schedule's: below 1.00 piper
 is faster. The correctness lines compare the last stage's per-step mean loss of the two.
 
@@ -24,6 +30,7 @@ import argparse
 import functools
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +49,7 @@ def stage_blocks(layers: int, stage: int, stages: int) -> list[int]:
     return [i for i in range(layers) if i * stages // layers == stage]
 
 
-def piper_worker(rank: int, world: int, spec: Spec, schedule: str, microbatches: int) -> RankResult:
+def piper_worker(rank: int, world: int, spec: Spec, schedule: str, microbatches: int, bf16: bool = False) -> RankResult:
     import piper_compile as piper
 
     model = build_gpt(spec, untie=True)
@@ -54,9 +61,10 @@ def piper_worker(rank: int, world: int, spec: Spec, schedule: str, microbatches:
     piper.annotate(model.head, PP=world - 1)
     build = {"gpipe": piper.schedules.gpipe, "1f1b": piper.schedules.one_f_one_b}[schedule]
     directives = [*piper.pipeline(world), piper.split(microbatches), *build(world, microbatches)]
-    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
-                         options={"directives": directives, "codegen": spec.codegen,
-                                  "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)})
+    options = {"codegen": spec.codegen, "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)}
+    if bf16:
+        options["mixed_precision"] = {"param_dtype": "bf16"}
+    step = piper.compile(model, directives=directives, **options)
     res = timed_loop(lambda i: step(*batches[i]), spec)
     stats = piper.last_stats(step)
     cs = piper.compiled_steps(step)[0]
@@ -89,21 +97,48 @@ class StageModule(nn.Module):
         return x
 
 
+class Masters:
+    """fp32 master weights for a bf16 module: AdamW steps the masters on the module's gradients (cast to
+    fp32), then the module gets the new values in bf16."""
+
+    def __init__(self, module: nn.Module, lr: float) -> None:
+        self.low = list(module.parameters())
+        self.master = [nn.Parameter(p.detach().float().clone()) for p in self.low]
+        self.opt = peer_adamw(self.master, lr)
+
+    def step(self) -> None:
+        for m, p in zip(self.master, self.low):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(self.master, self.low):
+                p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the module's gradients were handed over (and cleared) in step
+
+
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def pipelining_worker(rank: int, world: int, spec: Spec, schedule: str, microbatches: int) -> RankResult:
+def pipelining_worker(rank: int, world: int, spec: Spec, schedule: str, microbatches: int,
+                      bf16: bool = False) -> RankResult:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     model = build_gpt(spec, untie=True)
     batches = global_batches(model, spec, spec.batch)
     module = StageModule(model, rank, world)
     del model
+    opt: Any = peer_adamw(module.parameters(), spec.lr)
+    if bf16:  # the master weights keep the fp32 values; the module computes in bf16
+        opt = Masters(module, spec.lr)
+        module.to(torch.bfloat16)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = cls(stage, n_microbatches=microbatches, loss_fn=_ce)
-    opt = peer_adamw(module.parameters(), spec.lr)
     first, last = rank == 0, rank == world - 1
 
     def step(i: int) -> torch.Tensor | None:
@@ -125,7 +160,7 @@ def pipelining_step(sched: object, opt: torch.optim.Optimizer, x: torch.Tensor, 
         sched.step()  # type: ignore[attr-defined]
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return torch.stack(losses).mean() if last else None
+    return torch.stack(losses).float().mean() if last else None
 
 
 def main() -> None:
@@ -135,12 +170,16 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[2], help="pipeline stages = ranks (e.g. 2 4)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: bf16 compute and activations, fp32 master weights, on both sides")
     args = p.parse_args()
+    bf16 = args.precision == "bf16"
     spec = Spec.from_args(args)
     m = args.microbatches
     if spec.batch % m:
         p.error(f"--batch {spec.batch} must be a multiple of --microbatches {m}")
     print(f"bench_pp: {spec.describe()} (the whole batch goes through the pipeline), {m} micro-batches, "
+          f"precision {args.precision}, "
           f"{os.cpu_count()} CPU cores", flush=True)
     print(f"before: {load_note()}")
     rows: dict[str, dict[str, Summary]] = {}
@@ -156,16 +195,16 @@ def main() -> None:
             peer_name = f"pipelining {'ScheduleGPipe' if sched == 'gpipe' else 'Schedule1F1B'}"
             rows[config], piper_of[config] = {}, piper_name
             print(f"  running {config}: {piper_name} ...", flush=True)
-            ours = best_of(args.rounds, functools.partial(run_local, piper_worker, stages, spec, sched, m,
+            ours = best_of(args.rounds, functools.partial(run_local, piper_worker, stages, spec, sched, m, bf16,
                                                           timeout_s=args.timeout))
             print(f"  running {config}: {peer_name} ...", flush=True)
-            theirs = best_of(args.rounds, functools.partial(run_local, pipelining_worker, stages, spec, sched, m,
+            theirs = best_of(args.rounds, functools.partial(run_local, pipelining_worker, stages, spec, sched, m, bf16,
                                                             timeout_s=args.timeout))
             rows[config][piper_name], rows[config][peer_name] = Summary.of(ours), Summary.of(theirs)
             for r in range(stages):
                 print(f"  {config} piper rank {r} counters: {ours[r].extra}")
             all_ok &= compare_losses(f"{config} last-stage loss piper vs pipelining", ours[-1].losses,
-                                     theirs[-1].losses)
+                                     theirs[-1].losses, rtol=2e-2 if bf16 else 1e-4)
     print_table(f"pipeline parallel, {m} micro-batches: median step time (slowest rank per step)", rows, piper_of)
     print_ratios(rows, piper_of)
     print(f"after: {load_note()}")

@@ -42,6 +42,12 @@ parameter MiB of one transformer block, 3.02 for dim 256, so piper gathers and r
 units as FSDP2 applied per block; with one 25 MB bucket the whole 13 MiB model is a single unit and a ZeRO-3
 step gathers all of it at once).
 
+``--precision bf16`` (ZeRO-2/3 only: FSDP2 is the peer with a precision policy) trains with bf16 compute
+and fp32 master weights on both sides: piper ``mixed_precision={"param_dtype": "bf16", "reduce_dtype": R}``
+vs FSDP2 ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=R))``, for each
+``--reduce`` dtype R (fp32 and bf16 by default). Loss curves then differ by bf16 rounding (the two round
+at different points), so their check uses a 2% tolerance.
+
 ``--only-peers`` runs just the peers; without it, a piper failure (e.g. the directive not implemented yet)
 prints the error and the peers' numbers still print.
 
@@ -81,15 +87,16 @@ def _finish(res: RankResult, run: Any, params: list[torch.nn.Parameter], opt: An
 
 
 def piper_worker(rank: int, world: int, spec: Spec, zero: int, bucket_mb: float, prefetch: int,
-                 mem: bool) -> RankResult:
-    import piper_compile as piper  # noqa: F401 - registers the backend
+                 mem: bool, reduce: str | None = None) -> RankResult:
+    import piper_compile as piper
 
     model = build_gpt(spec)
     batches = global_batches(model, spec, world * spec.batch)
     directive = piper_replicate(None, zero, bucket_mb, prefetch)
-    step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
-                         options={"directives": [directive], "codegen": spec.codegen,
-                                  "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)})
+    options: dict[str, Any] = {"codegen": spec.codegen, "optimizer": functools.partial(torch.optim.AdamW, lr=spec.lr)}
+    if reduce is not None:  # --precision bf16
+        options["mixed_precision"] = {"param_dtype": "bf16", "reduce_dtype": reduce}
+    step = piper.compile(model, directives=[directive], **options)
 
     def run(i: int) -> torch.Tensor:
         return step(*local_batch(batches, i, rank, spec.batch))
@@ -100,7 +107,7 @@ def piper_worker(rank: int, world: int, spec: Spec, zero: int, bucket_mb: float,
     return res
 
 
-def peer_worker(rank: int, world: int, spec: Spec, zero: int, mem: bool) -> RankResult:
+def peer_worker(rank: int, world: int, spec: Spec, zero: int, mem: bool, reduce: str | None = None) -> RankResult:
     model = build_gpt(spec)
     batches = global_batches(model, spec, world * spec.batch)
     adamw = functools.partial(peer_adamw, lr=spec.lr)
@@ -115,12 +122,14 @@ def peer_worker(rank: int, world: int, spec: Spec, zero: int, mem: bool) -> Rank
         set_to_none = False
     else:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
+        mp = MixedPrecisionPolicy() if reduce is None else MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16 if reduce == "bf16" else torch.float32)
         for block in model.blocks:  # torchtitan: every transformer block, then the root
-            fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
-        fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3)
+            fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp)
         net, opt, set_to_none = model, adamw(model.parameters()), True
 
     run = eager_dp_step(net, opt, batches, rank, spec.batch, set_to_none)
@@ -146,7 +155,14 @@ def main() -> None:
                         "transformer block's parameter MiB for zero2/3 (FSDP2's unit, fully_shard per block)")
     p.add_argument("--prefetch", type=int, default=1, help="piper replicate(prefetch=...) (zero=3)")
     p.add_argument("--no-mem", action="store_true", help="skip the two profiled steps (tensor peak)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: bf16 compute, fp32 master weights on both sides (ZeRO-2/3 vs FSDP2 + MixedPrecisionPolicy)")
+    p.add_argument("--reduce", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
+                   help="with --precision bf16: the reduce_dtype of each variant")
     args = p.parse_args()
+    if args.precision == "bf16":
+        args.zero = [z for z in args.zero if z >= 2]
+        args.baseline = False
     spec = Spec.from_args(args)
     mem = not args.no_mem
     stages = ([0] if args.baseline else []) + sorted(set(args.zero))
@@ -158,15 +174,17 @@ def main() -> None:
     print(f"before: {load_note()}")
     lines: list[str] = []
     details: list[str] = []
+    variants = [(z, r) for z in stages for r in args.reduce] if args.precision == "bf16" else [(z, None) for z in stages]
     for world in args.world:
-        peer_losses: dict[int, list[float]] = {}
-        for zero in stages:
-            peer = PEER_NAMES[zero]
+        peer_losses: dict[str, list[float]] = {}
+        for zero, reduce in variants:
+            peer = PEER_NAMES[zero] + (f" MixedPrecisionPolicy(bf16, reduce {reduce})" if reduce else "")
+            tag = f"zero{zero}" + (f" bf16 reduce-{reduce}" if reduce else "")
             print(f"  running world {world} zero{zero}: {peer} ...", flush=True)
-            theirs = best_of(args.rounds, functools.partial(run_local, peer_worker, world, spec, zero, mem,
+            theirs = best_of(args.rounds, functools.partial(run_local, peer_worker, world, spec, zero, mem, reduce,
                                                             timeout_s=args.timeout))
             ps = Summary.of(theirs)
-            peer_losses[zero] = theirs[0].losses
+            peer_losses[tag] = theirs[0].losses
             ours: list[RankResult] | None = None
             err = "not run (--only-peers)" if args.only_peers else ""
             if not args.only_peers:
@@ -174,7 +192,7 @@ def main() -> None:
                       flush=True)
                 try:
                     ours = best_of(args.rounds, functools.partial(run_local, piper_worker, world, spec, zero,
-                                                                  bucket_of[zero], args.prefetch, mem,
+                                                                  bucket_of[zero], args.prefetch, mem, reduce,
                                                                   timeout_s=args.timeout))
                 except Exception as e:  # noqa: BLE001 - report and keep the peers' numbers
                     err = f"FAILED: {type(e).__name__}"
@@ -182,24 +200,24 @@ def main() -> None:
             rss_peer = max(ps.rss)
             if ours is not None:
                 s = Summary.of(ours)
-                line = (f"zero{zero}  piper {s.median_ms:.1f} ms  peer {ps.median_ms:.1f} ms  ratio piper/peer "
+                line = (f"{tag}  piper {s.median_ms:.1f} ms  peer {ps.median_ms:.1f} ms  ratio piper/peer "
                         f"{s.median_ms / ps.median_ms:.2f}  peakRSS piper {max(s.rss):.0f} MiB peer {rss_peer:.0f} MiB"
                         f"  | world {world}, cpu ratio {s.cpu_ms / ps.cpu_ms:.2f}, tensor state piper "
                         f"{_mem(ours, 'state')} peer {_mem(theirs, 'state')} MiB, tensor peak piper "
                         f"{_mem(ours, 'peak')} peer {_mem(theirs, 'peak')} MiB; peer = {peer}")
-                details.append(f"  world {world} zero{zero} piper: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} "
+                details.append(f"  world {world} {tag} piper: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} "
                                f"cpu {s.cpu_ms:.1f} ms, first step {s.first_s:.1f} s, RSS/rank "
                                f"{fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB")
                 for r, rr in enumerate(ours):
                     details.append(f"    piper rank {r}: {rr.extra}")
-                ok = compare_losses(f"world {world} zero{zero} loss piper vs {peer}", ours[0].losses,
-                                    theirs[0].losses)
+                ok = compare_losses(f"world {world} {tag} loss piper vs {peer}", ours[0].losses,
+                                    theirs[0].losses, rtol=2e-2 if reduce else 1e-4)
                 details.append(f"    loss check: {'OK' if ok else 'MISMATCH'}")
             else:
-                line = (f"zero{zero}  piper - ms  peer {ps.median_ms:.1f} ms  ratio piper/peer -  peakRSS piper - MiB "
+                line = (f"{tag}  piper - ms  peer {ps.median_ms:.1f} ms  ratio piper/peer -  peakRSS piper - MiB "
                         f"peer {rss_peer:.0f} MiB  | world {world}, tensor state peer {_mem(theirs, 'state')} MiB, "
                         f"tensor peak peer {_mem(theirs, 'peak')} MiB; peer = {peer}; piper {err}")
-            details.append(f"  world {world} zero{zero} {peer}: median {ps.median_ms:.1f} p90 {ps.p90_ms:.1f} "
+            details.append(f"  world {world} {tag} {peer}: median {ps.median_ms:.1f} p90 {ps.p90_ms:.1f} "
                            f"cpu {ps.cpu_ms:.1f} ms, first step {ps.first_s:.1f} s, RSS/rank {fmt_ranks(ps.rss)} "
                            f"({fmt_ranks(ps.growth, '{:+.0f}')}) MiB")
             for r, rr in enumerate(theirs):
@@ -208,10 +226,10 @@ def main() -> None:
             lines.append(line)
             print("  " + line, flush=True)
         ref = min(peer_losses)  # the peers train the same model on the same batches: they must agree
-        for zero, losses in peer_losses.items():
-            if zero != ref:
-                compare_losses(f"world {world} loss {PEER_NAMES[zero]} vs {PEER_NAMES[ref]}", losses,
-                               peer_losses[ref])
+        for tag, losses in peer_losses.items():
+            if tag != ref:
+                compare_losses(f"world {world} loss {tag} vs {ref} (peers)", losses, peer_losses[ref],
+                               rtol=2e-2 if args.precision == "bf16" else 1e-4)
     print_report(details, f"ZeRO: piper vs peer, median step time of the slowest rank ({spec.steps} timed steps)", lines)
 
 
