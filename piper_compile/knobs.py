@@ -83,6 +83,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_HOST_STAGING", "choice", "auto", "CUDA tensors on gloo groups (ranks sharing a GPU) move through "
          "pinned host buffers ('auto'); 'always' stages CPU tensors too, so CPU tests run that path",
          ("auto", "always")),
+    Knob("PIPER_TRITON_EXPERTS", "flag", True, "on CUDA, run the grouped SwiGLU experts (MoE) through piper's "
+         "Triton kernels when triton is installed (0: the torch reference)"),
     Knob("PIPER_INDUCTOR_CACHE", "flag", False, "let Inductor's on-disk FX graph cache serve compiled "
          "segments (first step ~2x faster, ~150 MiB more RSS per process)"),
     Knob("PIPER_FUSED_OPTIMIZER", "flag", True, "build piper's optimizer with fused=True where that is known "

@@ -4,6 +4,9 @@ Weights are grouped per expert: ``w_gate`` and ``w_up`` are ``[E, D, H]``, ``w_d
 expert ``e`` maps a token ``x`` to ``(silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Tokens are given
 sorted by expert with ``counts[e]`` rows for expert ``e``; an expert with no rows is skipped (its weight
 gradient is zero).
+
+On CUDA both functions run the Triton kernels of :mod:`piper_compile.nn.triton_experts` when triton is
+installed (``PIPER_TRITON_EXPERTS=0`` turns them off); the torch code here is the reference and the CPU path.
 """
 from __future__ import annotations
 
@@ -22,9 +25,22 @@ def _blocks(counts: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _use_triton(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through the Triton kernels: CUDA fp32/bf16/fp16 only (triton is then imported on
+    first use), and not while torch.compile traces (the reference stays the traced code)."""
+    if (x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or torch.compiler.is_compiling()):
+        return False
+    from piper_compile.nn.triton_experts import triton_available
+    return triton_available(x.device)
+
+
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
                    w_down: torch.Tensor) -> torch.Tensor:
     """Expert outputs for ``x`` (rows sorted by expert, ``counts`` rows each)."""
+    if _use_triton(x):
+        from piper_compile.nn.triton_experts import grouped_swiglu_triton
+        return grouped_swiglu_triton(x, counts, w_gate, w_up, w_down)
     y = x.new_zeros(x.shape[0], w_down.shape[-1])
     for e, a, b in _blocks(counts):
         xe = x[a:b]
@@ -40,6 +56,9 @@ def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Ten
     """Gradients of :func:`grouped_swiglu` w.r.t. ``x`` and the three weights (hidden values recomputed).
     ``accumulate``: existing weight-gradient buffers to add into (returned in place of new tensors);
     with ``overwrite`` their contents are replaced instead (no zeroing pass before the first write)."""
+    if _use_triton(x):
+        from piper_compile.nn.triton_experts import grouped_swiglu_backward_triton
+        return grouped_swiglu_backward_triton(gy, x, counts, w_gate, w_up, w_down, accumulate, overwrite)
     gx = torch.zeros_like(x)
     if accumulate is None:
         gg, gu, gd = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
