@@ -122,8 +122,10 @@ class CompiledStep:
         parallel); the local fake inputs when a pass changed parameter shapes."""
         from piper_compile.capture.tensor_parallel import local_fakes
 
-        ctx = run_graph_passes(GraphContext(self.gm, self.sources, self.options.directives, self.world))
+        ctx = run_graph_passes(GraphContext(self.gm, self.sources, self.options.directives, self.world,
+                                            list(self.example_inputs)))
         self.tp_shards, self.tp_partial, self.graph_timings = ctx.tp_shards, ctx.tp_partial, ctx.timings
+        self.float_constants = ctx.float_constants
         return local_fakes(self.gm, ctx.local_shapes) if ctx.local_shapes is not None else None
 
     def _bucket_bytes(self, region: Any) -> float | None:
@@ -414,6 +416,13 @@ class CompiledStep:
         for s in self.joint.inputs:
             if s.kind == INPUT and s.arg_index is not None and not isinstance(args[s.arg_index], torch.Tensor):
                 raise PiperError(f"piper: input {s.name!r} must be a tensor")
+        for i, (src, value) in self.float_constants.items():
+            now = float(args[i])
+            if now != value:
+                raise PiperError(
+                    f"piper: {src} was {value!r} when this step was compiled and is {now!r} now: piper compiles the "
+                    "model's float attributes as constants (as torch._dynamo.config.specialize_float does); keep it "
+                    "constant, or call torch._dynamo.reset() and compile the model again")
 
 
 def _leading_size(args: tuple[Any, ...]) -> int:

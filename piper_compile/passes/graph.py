@@ -1,6 +1,6 @@
-"""Graph passes: the directives that act on Dynamo's FX graph, before the joint capture cuts it into
-segments -- today ``shard_tensor``'s linear-layer sharding with its shape fitting, and its sequence
-parallelism. Each is one named step in ``GRAPH_PASSES`` (in order), run by ``run_graph_passes`` under
+"""Graph passes: what acts on Dynamo's FX graph before the joint capture cuts it into segments -- the
+model's float attributes made constants (``specialize_floats``), ``shard_tensor``'s linear-layer sharding
+with its shape fitting, and its sequence parallelism. Each is one named step in ``GRAPH_PASSES`` (in order), run by ``run_graph_passes`` under
 the same rules as the DAG passes (``driver.py``): timed (``GraphContext.timings``), the FX graph
 dumped after each with ``PIPER_DEBUG=1``, skippable by name with ``PIPER_SKIP_PASSES`` (debugging only).
 """
@@ -25,7 +25,9 @@ class GraphContext:
     sources: Any
     directives: list[Directive]
     world: int
+    example_inputs: list[Any] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    float_constants: dict[int, tuple[str, float]] = field(default_factory=dict)  # input -> (source, value)
     tp_shards: dict[str, ParamShard] = field(default_factory=dict)  # how each split layer is cut
     local_shapes: dict[Any, Any] | None = None  # placeholder -> this rank's shape (None: unchanged)
     tp_partial: frozenset[str] = frozenset()  # sequence parallel: gradients summed over the TP group
@@ -44,6 +46,33 @@ class GraphContext:
             raise d.error("with place directives, shard_tensor needs 'devices' (its tensor-parallel groups)",
                           'add "devices": [[0, 1], [2, 3]] (ranks of one group see the same batch)')
         return d, self.world
+
+
+def specialize_floats_pass(ctx: GraphContext) -> None:
+    """Float attributes of the model (RMSNorm ``eps``, attention ``scaling``): under ``dynamic=True``
+    Dynamo passes each as a 0-dim float64 input read with ``.item()``, which Inductor cannot compile
+    (``DataDependentOutputException: aten._local_scalar_dense``: the segment would run eagerly). Their
+    values at capture become constants, as ``torch._dynamo.config.specialize_float`` would make them;
+    the step checks every call that they did not change (``ctx.float_constants``). Floats passed as
+    forward arguments stay inputs."""
+    import torch
+
+    for i, ph in enumerate(ctx.gm.graph.find_nodes(op="placeholder")):
+        ex = ctx.example_inputs[i] if i < len(ctx.example_inputs) else None
+        src = ctx.sources[i] if i < len(ctx.sources) else ""
+        users = list(ph.users)
+        if not (isinstance(ex, torch.Tensor) and ex.dim() == 0 and ex.dtype == torch.float64 and src.startswith("L['self']")
+                and users and all(u.op == "call_method" and u.target == "item" for u in users)):
+            continue
+        value = float(ex)
+        for item in users:
+            for user in list(item.users):
+                user.args = fx.node.map_arg(user.args, lambda a, item=item: value if a is item else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a, item=item: value if a is item else a)
+            ctx.gm.graph.erase_node(item)
+        ctx.float_constants[i] = (src, value)
+    if ctx.float_constants:
+        ctx.gm.recompile()
 
 
 def shard_linears_pass(ctx: GraphContext) -> None:
@@ -69,6 +98,7 @@ def sequence_parallel_pass(ctx: GraphContext) -> None:
 
 
 GRAPH_PASSES: list[tuple[str, Callable[[GraphContext], None]]] = [
+    ("specialize_floats", specialize_floats_pass),
     ("shard_linears", shard_linears_pass),
     ("sequence_parallel", sequence_parallel_pass),
 ]

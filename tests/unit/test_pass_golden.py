@@ -132,7 +132,7 @@ def test_segment_passes_are_named_timed_and_dumped(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PIPER_DEBUG", "1")
     step = capture_step(model, *batch, directives=directives, world_size=2, options={"codegen": "eager"})
     step.initial_dag(False)
-    assert list(step.graph_timings) == ["shard_linears", "sequence_parallel",  # graph passes (no-ops here)
+    assert list(step.graph_timings) == ["specialize_floats", "shard_linears", "sequence_parallel",  # graph passes (no-ops here)
                                         "regions", "split_backward", "bucket_chunks", "cut_pieces", "remat"]
     err = capsys.readouterr().err
     after_split = err.split("segment pieces after split_backward", 1)[1].split("--- piper", 1)[0]

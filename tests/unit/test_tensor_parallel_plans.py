@@ -156,7 +156,7 @@ def test_graph_passes_are_named_timed_and_dumped(monkeypatch: pytest.MonkeyPatch
     batch = m.make_batch(4, torch.Generator().manual_seed(0))
     step = capture_step(m, *batch, directives=[piper.shard_tensor(TP, sequence_parallel=True)], world_size=2)
     step.initial_dag(False)
-    assert list(step.graph_timings)[:2] == ["shard_linears", "sequence_parallel"]
+    assert list(step.graph_timings)[:3] == ["specialize_floats", "shard_linears", "sequence_parallel"]
     err = capsys.readouterr().err
     after_tp = err.split("FX graph after shard_linears", 1)[1].split("FX graph after sequence_parallel", 1)[0]
     assert "piper.tp_allreduce" in after_tp, after_tp[:2000]  # the rowwise layers' marker
