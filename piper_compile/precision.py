@@ -82,13 +82,8 @@ def _scaler_fields(raw: Any) -> dict[str, Any]:
         return {"init_scale": raw.get_scale() if raw.is_enabled() else 1.0, "growth_factor": raw.get_growth_factor(),
                 "backoff_factor": raw.get_backoff_factor(), "growth_interval": raw.get_growth_interval(),
                 "enabled": raw.is_enabled()}
-    if not isinstance(raw, dict):
-        raise PiperError(f"piper: options['loss_scaling'] must be a torch.amp.GradScaler or a dict of its arguments "
-                         f"{list(_SCALER_FIELDS)}, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_SCALER_FIELDS))
-    if unknown:
-        raise PiperError(f"piper: options['loss_scaling'] has unknown key(s) {unknown}; it takes {list(_SCALER_FIELDS)}")
-    return dict(raw)
+    return _checked_dict(raw, "loss_scaling", _SCALER_FIELDS,
+                         f"a torch.amp.GradScaler or a dict of its arguments {list(_SCALER_FIELDS)}")
 
 
 @dataclass(frozen=True)
@@ -153,12 +148,16 @@ def _fields_of(raw: Any) -> dict[str, Any]:
 
     if isinstance(raw, MixedPrecisionPolicy):
         return {k: getattr(raw, k) for k in _FIELDS}
+    return _checked_dict(raw, "mixed_precision", _FIELDS, f"a MixedPrecisionPolicy or a dict ({_HOW})")
+
+
+def _checked_dict(raw: Any, option: str, fields: tuple[str, ...], takes: str) -> dict[str, Any]:
+    """``options[option]`` given as a dict: a copy, or a piper: error for another type or an unknown key."""
     if not isinstance(raw, dict):
-        raise PiperError(f"piper: options['mixed_precision'] must be a MixedPrecisionPolicy or a dict, got "
-                         f"{type(raw).__name__}; {_HOW}")
-    unknown = sorted(set(raw) - set(_FIELDS))
+        raise PiperError(f"piper: options[{option!r}] must be {takes}, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise PiperError(f"piper: options['mixed_precision'] has unknown key(s) {unknown}; it takes {list(_FIELDS)}")
+        raise PiperError(f"piper: options[{option!r}] has unknown key(s) {unknown}; it takes {list(fields)}")
     return dict(raw)
 
 
