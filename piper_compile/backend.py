@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,7 @@ class CompiledStep:
                  link: ModelLink | None = None) -> None:
         self.gm = gm
         self.link = link if link is not None else link_for(options)  # piper.compile's link to the module
+        self.recompile_reason: str | None = None  # set by piper_backend when Dynamo compiled the frame again
         self._arg_order: list[int] | None = None  # mixed precision: the re-traced graph's inputs
         # Read during Dynamo's compile (the backend call): its grapharg metadata is gone afterwards.
         self.sources = sources if sources is not None else source_names(gm)
@@ -454,7 +456,41 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
     """The ``torch_dynamo_backends`` entry point ``piper``."""
     if kwargs:
         raise PiperError(f"piper: unexpected backend arguments {sorted(kwargs)}; pass settings in options={{...}}")
-    return CompiledStep(gm, example_inputs, options)
+    step = CompiledStep(gm, example_inputs, options)
+    step.recompile_reason = _recompile_reason()
+    return step
+
+
+_GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # Dynamo frame -> grad modes it has a version for
+
+
+def _recompile_reason() -> str | None:
+    """When Dynamo compiles this frame again: the guard that failed, said once on stderr (a switch between
+    training and ``torch.no_grad`` calls is expected and not reported). Read from Dynamo's metrics context
+    (private: None where this torch has no such record)."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        metrics = get_metrics_context()._metrics  # noqa: SLF001
+        reason = metrics.get("recompile_reason")
+        frame = (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"))
+    except Exception:  # noqa: BLE001 - another torch version: no report
+        return None
+    grad = torch.is_grad_enabled()
+    if not reason:  # the frame's first version (since a torch._dynamo.reset())
+        _GRAD_MODES[frame] = {grad}
+        return None
+    seen = _GRAD_MODES.setdefault(frame, set())
+    if grad not in seen:  # the first training or the first torch.no_grad version: expected
+        seen.add(grad)
+        return None
+    grad_mode = "grad_mode" in reason  # Dynamo names the first failing guard of its newest version only
+    what = ("a guard failed (TORCH_LOGS=recompiles names it)" if grad_mode else
+            f"a guard failed: {' '.join(reason.split(chr(10))[0].split())}")
+    warnings.warn(f"piper: Dynamo compiles the piper step again: {what}; piper "
+                  "captures, plans and compiles the new version at its next call (see piper.stats(step).recompiles); "
+                  "keep that attribute or input fixed to avoid it", stacklevel=2)
+    return reason
 
 
 __all__ = ["CompiledStep", "Options", "PiperDirectiveError", "piper_backend"]

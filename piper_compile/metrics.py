@@ -67,6 +67,12 @@ class StepMetrics:
     wait_s: float
     peak_memory_bytes: int
     flops_note: str = ""
+    # compilation of this model's steps so far: segments compiled, those that run eagerly (Inductor
+    # failed), seconds spent compiling, and Dynamo recompiles of the step (each one warned about)
+    compiled_segments: int = 0
+    fallbacks: int = 0
+    compile_s: float = 0.0
+    recompiles: int = 0
 
     @property
     def tflops_per_s(self) -> float:
@@ -179,8 +185,11 @@ def metrics_of(cs: Any) -> StepMetrics:
         mem = torch.cuda.max_memory_allocated(cs.state.device)
     else:
         mem = stats.peak_live_bytes + stats.peak_gathered_bytes + stats.peak_grad_bytes
+    segs = [c for s in cs.state.steps for c in s.compiled.values()]
     return StepMetrics(seconds, stats.samples, stats.samples * tokens_per_sample(cs, stats.symbols), flops, peak, source,
-                       stats.compute_s, stats.update_s, stats.comm_wait_s, stats.p2p_wait_s, mem, note)
+                       stats.compute_s, stats.update_s, stats.comm_wait_s, stats.p2p_wait_s, mem, note,
+                       len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
+                       sum(1 for s in cs.state.steps if s.recompile_reason))
 
 
 def stats(step: Any) -> StepMetrics:

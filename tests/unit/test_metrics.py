@@ -70,3 +70,36 @@ def test_log_stats_writes_one_info_line_every_n_steps(caplog):
     assert lines[0].startswith("piper rank 0 step 2:")
     with pytest.raises(PiperError, match="log_stats"):
         Options.parse({"log_stats": -1})
+
+
+def test_a_recompile_is_said_once_and_counted():
+    """A guard that fails (an attribute the forward branches on) recompiles the step: one warning naming
+    the guard, counted by piper.stats; switching to torch.no_grad calls is not reported."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.double = nn.Linear(8, 8), False
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return F.mse_loss(h * 2 if self.double else h, y)
+
+    model = Branchy()
+    step = piper.compile(model, codegen="eager", optimizer=ADAMW)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(x, y)
+        model.double = True
+        step(x, y)
+        with torch.no_grad():
+            step(x, y)
+    said = [str(w.message) for w in caught if "compiles the piper step again" in str(w.message)]
+    assert len(said) == 1 and "self.double" in said[0], said
+    m = piper.stats(step)
+    assert m.recompiles == 1 and m.compiled_segments >= 2 and m.fallbacks == 0
