@@ -148,6 +148,7 @@ def interpreted() -> dict[str, str]:
     return json.loads(lines[-1][len(_MARK):])
 
 
+@pytest.mark.slow  # one interpreter subprocess for every case, ~20 s: out of the fast subset
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -155,6 +156,7 @@ def test_kernels_match_reference(interpreted: dict[str, str], shape: str, dtype:
     assert interpreted[_case_id(shape, dtype, mode)] == "ok"
 
 
+@pytest.mark.slow
 def test_interpreter_confined_to_the_subprocess(interpreted: dict[str, str]) -> None:
     assert interpreted["interpreted"] == "True"  # the checks really ran on the interpreter
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # ... and this process still compiles real Triton
