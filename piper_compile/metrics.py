@@ -7,8 +7,8 @@
   when the first batched input holds integer token ids ``[B, T, ...]``, ``B * T`` tokens.
 - **FLOPs**: this rank's executed FLOPs in the step, counted from the captured graph of every compute
   step it ran (matmul family and attention, ``sim/cost.node_flops``, at the step's micro-batch size;
-  recomputation included: it is work the device did). Expert-parallel expert steps run outside segment
-  graphs and are not counted (the count says so in ``flops_note``).
+  recomputation included: it is work the device did); expert-parallel expert steps, which run outside
+  segment graphs, are counted as they run, on the rows each rank received.
 - **MFU**: achieved TFLOP/s over the device's peak for the compute dtype: a table of common GPUs
   (dense tensor-core figures), overridable with ``PIPER_PEAK_TFLOPS``; on CPU a measured matmul peak
   (the best of a few 512x512 matmuls in that dtype, once per process).
@@ -135,25 +135,22 @@ def _measure_cpu_peak(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
 
 def step_flops(cs: Any, symbols: dict[str, int]) -> tuple[int, str]:
     """This rank's FLOPs in a training step of ``cs`` at these size symbols, and a note on what is missing."""
-    from piper_compile.ir.ops import ExpertStep
     from piper_compile.ir.ops import Segment as SegmentOp
     from piper_compile.sim.cost import node_flops
 
     program = cs.plans[False].programs[cs.rank]
     key = tuple(sorted(symbols.items()))
     cache = cs.__dict__.setdefault("_flops_cache", {})
-    total, experts = 0, False
+    total = 0
     for ins in program.instrs:
         op = ins.node.op
-        if isinstance(op, ExpertStep):
-            experts = True
         if not isinstance(op, SegmentOp):
             continue
         k = (op.segment, key)
         if k not in cache:
             cache[k] = sum(node_flops(n, symbols) for n in cs.segments[op.segment].gm.graph.nodes)
         total += cache[k]
-    return total, "expert-parallel expert steps not counted" if experts else ""
+    return total, ""
 
 
 def tokens_per_sample(cs: Any, symbols: dict[str, int]) -> int:
@@ -179,6 +176,7 @@ def metrics_of(cs: Any) -> StepMetrics:
         stats.events[1].synchronize()
         seconds = stats.events[0].elapsed_time(stats.events[1]) / 1e3
     flops, note = step_flops(cs, stats.symbols)
+    flops += stats.expert_flops
     dtype = cs.state.precision.param_dtype or next(iter(cs.joint.params.values())).dtype
     peak, source = peak_tflops(cs.state.device, dtype)
     if cs.state.device.type == "cuda":

@@ -97,6 +97,14 @@ def all_to_all(op: Any, inputs: list[Any], group: Any, size: int) -> tuple[Any, 
     return _a2a(out, t, route.send_splits, route.recv_splits, group), [out], t
 
 
+def swiglu_flops(inputs: list[Any], forward: bool) -> int:
+    """FLOPs of an experts step on its received rows: forward the gate, up and down matmuls (6 R D H);
+    backward recomputes gate and up, then the hidden, input and three weight gradients (16 R D H)."""
+    recv, wg = (inputs[0], inputs[2]) if forward else (inputs[2], inputs[3])
+    rows, d, h = recv.shape[0], wg.shape[-2], wg.shape[-1]
+    return (6 if forward else 16) * rows * d * h
+
+
 def compute(role: str, forward: bool, inputs: list[Any], accumulate: tuple[torch.Tensor, ...] | None = None,
             overwrite: bool = False) -> list[Any]:
     """The local steps of a chain: the experts (forward or backward) and the final unpermute. Backward

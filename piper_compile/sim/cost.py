@@ -135,6 +135,10 @@ def node_flops(node: fx.Node, syms: dict[str, int]) -> int:
     shapes = [s for s in (_shape(a, syms) for a in node.args) if s is not None]
     if name in ("mm", "addmm", "bmm", "baddbmm") and len(shapes) >= 2:
         return _mm(shapes)
+    if name in ("moe_experts", "moe_experts_backward"):  # the grouped SwiGLU (nn/moe.py) on N x top-k rows
+        backward = name.endswith("backward")
+        x, idx, wg = shapes[1:4] if backward else shapes[0:3]
+        return (16 if backward else 6) * x[0] * idx[-1] * wg[-2] * wg[-1]
     if "scaled_dot_product" in name and len(shapes) >= 3:
         if "backward" in name and len(shapes) >= 4:  # grad_out, q, k, v, ...: twice the forward
             return 2 * _sdpa(shapes[1], shapes[2], shapes[3])

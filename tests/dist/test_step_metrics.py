@@ -27,3 +27,17 @@ def test_pp2_x_dp2_flops_tokens_and_time_split():
     for m in ms:
         assert m.compute_s + m.update_s + m.exposed_comm_s + m.wait_s <= m.step_time_s * 1.01, m
         assert 0 < m.tflops_per_s and 0 < m.mfu
+
+
+def test_ep2_flops_add_up_to_one_rank_on_the_global_batch():
+    """Expert steps run outside segment graphs under expert parallelism: counted as they run, on the rows
+    each rank received, the two ranks' FLOPs add up to one rank's on the whole batch (where the grouped
+    experts are a custom op inside the segment graph)."""
+    from piper_compile.testing.parity import piper_worker
+
+    one = RunConfig(model="moe", model_kwargs={"experts": 4}, local_batch=8, steps=1, directives=[piper.split(2)])
+    ep2 = RunConfig(model="moe", model_kwargs={"experts": 4}, local_batch=4, steps=1,
+                    directives=[piper.split(2), piper.replicate(), piper.shard({"EP": 0})])
+    whole = piper_worker(0, 1, one)["metrics"].flops
+    res = run_parity(ep2, 2, rtol=1e-4, atol=1e-5)
+    assert whole > 0 and sum(r["metrics"].flops for r in res) == whole, ([r["metrics"].flops for r in res], whole)

@@ -91,6 +91,8 @@ class ExpertStep(Local):
         # accumulated into the fp32 buffers like every other gradient
         if self.accumulate and rt.grads is not None and not rt.state.precision.active:
             acc, overwrite = rt.grads.claim(f for _, f in self.grads)
+        if self.role == "experts":  # piper.stats: the grouped SwiGLU's matmuls on the rows this rank received
+            rt.stats.expert_flops += expert.swiglu_flops(inputs, self.forward)
         with torch.no_grad():  # the runtime computes gradients itself: build no autograd graph
             return expert.compute(self.role, self.forward, inputs, acc, overwrite)
 
