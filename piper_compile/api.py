@@ -47,7 +47,8 @@ def _state(step: Any, create: bool) -> Any:
     st = state_of_module(module)
     if st is not None or not create:
         return st
-    raw = _find_options(step)
+    linked = getattr(step, "_piper_link", None)  # piper.compile keeps the options; torch.compile hides them
+    raw = linked.options if linked is not None else _find_options(step)
     return state_of_module(module, Options.parse(raw).optimizer if raw is not None else None, create=True)
 
 

@@ -135,7 +135,8 @@ def _caller_module(st: Any) -> nn.Module | None:
 
 def _on_sharded(st: Any, cs: Any) -> None:
     if ((st.zero is not None and st.zero.buckets) or st.released) and not st.hooks_installed:
-        module = _caller_module(st)
+        link = getattr(cs, "link", None)  # piper.compile: the module itself; torch.compile: its frame
+        module = link.module() if link is not None and link.module() is not None else _caller_module(st)
         if module is not None:
             install_hooks(st, module)
 
