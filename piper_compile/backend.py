@@ -103,6 +103,9 @@ class CompiledStep:
         self.tp_shards: dict[str, ParamShard] = {}  # tensor parallel: how capture split each layer
         self.tp_partial: frozenset[str] = frozenset()  # sequence parallel: gradients summed over the TP group
         self.graph_timings: dict[str, float] = {}  # seconds per graph pass (passes/graph.py)
+        self.float_constants: dict[int, tuple[str, float]] = {}  # input -> (source, value) compiled as a constant
+        self.trained_calls = 0  # training calls so far (options["log_stats"])
+        self.flops: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}  # (segment, symbols) -> FLOPs (metrics.py)
         self.state: TrainState | None = None
         self.rank, self.world = world or world_info()
         # Shared by every model instance this compiled code runs for (see bind): planned strategies
@@ -385,7 +388,7 @@ class CompiledStep:
     def _log_stats(self) -> None:
         """``options["log_stats"] = N``: ``piper.stats``'s line at INFO every N training steps."""
         every = self.options.log_stats
-        self.trained_calls = getattr(self, "trained_calls", 0) + 1
+        self.trained_calls += 1
         if every and self.trained_calls % every == 0 and metrics.LOG.isEnabledFor(logging.INFO):
             metrics.LOG.info("piper rank %d step %d: %s", self.rank, self.trained_calls, metrics.metrics_of(self).line())
 

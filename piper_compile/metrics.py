@@ -140,7 +140,7 @@ def step_flops(cs: Any, symbols: dict[str, int]) -> tuple[int, str]:
 
     program = cs.plans[False].programs[cs.rank]
     key = tuple(sorted(symbols.items()))
-    cache = cs.__dict__.setdefault("_flops_cache", {})
+    cache = cs.flops
     total = 0
     for ins in program.instrs:
         op = ins.node.op

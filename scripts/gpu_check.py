@@ -71,7 +71,9 @@ def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
               f"MFU {100 * p['mfu']:.1f}% vs {100 * q['mfu']:.1f}% of {r['peak_tflops']:.3g} TFLOP/s "
               f"({r['peak_source']}); peak {p['peak_bytes'] / 2**30:.2f} vs {q['peak_bytes'] / 2**30:.2f} GiB; "
               f"trace {'yes' if Path(p.get('trace', '')).exists() else 'no'}")
-    return [(what, "PASS" if gpu or r["ratio"] > 0 else "FAIL", detail, secs)]
+    # the target on a GPU: piper's throughput at least 0.95x torch.compile's; the CPU smoke run only has to run
+    verdict = "PASS" if not gpu or r["ratio"] <= 1 / 0.95 else "BELOW TARGET (>= 0.95x torch.compile throughput)"
+    return [(what, verdict, detail, secs)]
 
 
 def _staging_smoke() -> Row:

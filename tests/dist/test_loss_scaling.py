@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 import piper_compile as piper
 from piper_compile.precision import Precision
 from piper_compile.testing.launch import run_local
-from piper_compile.testing.parity import ComputeCopy, RunConfig, _global_batch, _model, run_mixed_parity
+from piper_compile.testing.parity import (ComputeCopy, RunConfig, _global_batch, _model, eager_reference,
+                                          run_mixed_parity)
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,7 @@ def test_pp2_1f1b_fp16_unscales_before_clipping():
     cfg = RunConfig(model="mlp", stages=2, local_batch=8, steps=4, optimizer=ADAMW, mixed_precision=FP16,
                     loss_scaling=SCALING, clip_grad_norm=0.05,
                     directives=[*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)])
+    assert min(eager_reference(cfg, 2)["grad_norms"]) > cfg.clip_grad_norm  # clipping engages at every step
     res = run_mixed_parity(cfg, 2)
     assert res[0]["scales"] == [2.0**12, 2.0**13, 2.0**13, 2.0**14]
     assert res[0]["collectives"].get("gradnorm") == 1
