@@ -10,6 +10,8 @@ skippable by name with ``PIPER_SKIP_PASSES`` (debugging only).
 * ``cut_pieces``: ZeRO-3 forward pieces cut at bucket reads, cuts around nested regions and boundary ops
   (experts, tensor-parallel markers), ``getitem`` kept with its producer: the final pieces.
 * ``remat``: which activations each backward piece recomputes instead of receiving (``capture/remat.py``).
+* ``checkpoint``: in the regions a ``checkpoint`` directive matches, which forward values the backward
+  recomputes and which piece recomputes each (``capture/checkpointing.py``).
 
 ``capture/segments.py`` then builds one segment per final piece: it only cuts along what these decided.
 """
@@ -25,7 +27,9 @@ from torch import fx
 from piper_compile.pass_runner import run_pass, skipped_passes
 from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region, assign_regions, boundary_kind, param_derived
+from piper_compile.capture.checkpointing import demote_zero3, owners, plan_checkpoint
 from piper_compile.capture.remat import NO_REMAT, RematPlan, plan_remat
+from piper_compile.directives.spec import Checkpoint
 
 Key = tuple[str, Region, int]  # (pass, region, chunk index or -1)
 
@@ -40,6 +44,8 @@ class Cuts:
     chunk_fw: Callable[[Region], bool] | None = None
     remat: bool = True
     defer_forward_only: bool = False
+    checkpoint: Callable[[Region], Checkpoint | None] | None = None  # the checkpoint directive of a region
+    microbatches: int = 1
     region: dict[str, Region] = field(default_factory=dict)  # node -> region
     passes: dict[str, str] = field(default_factory=dict)  # node -> F/B
     derived: set[str] = field(default_factory=set)  # parameter-only nodes (recomputed where read)
@@ -49,6 +55,7 @@ class Cuts:
     bucket_of: dict[str, Any] = field(default_factory=dict)  # param value -> its gradient bucket
     keyed: dict[Key, list[fx.Node]] = field(default_factory=dict)  # the final pieces
     recompute: RematPlan = NO_REMAT
+    checkpointed: dict[Region, int] = field(default_factory=dict)  # region -> activation bytes kept per micro-batch
     timings: dict[str, float] = field(default_factory=dict)
 
     def pieces(self) -> dict[Any, list[fx.Node]]:
@@ -121,6 +128,38 @@ def remat_pass(cuts: Cuts) -> None:
     cuts.recompute = plan_remat(cuts.joint, cuts.region, cuts.passes, cuts.derived, param_ok, boundary_kind)
 
 
+def checkpoint_pass(cuts: Cuts) -> None:
+    if cuts.checkpoint is None:
+        return
+    joint = cuts.joint
+    nodes = {n.name: n for n in joint.gm.graph.nodes}
+    position = {name: i for i, name in enumerate(nodes)}
+    zero3 = cuts.chunk_fw or (lambda reg: False)
+    buckets: dict[Any, set[Any]] = {}
+
+    def piece_buckets(key: Any) -> set[Any]:
+        if key not in buckets:
+            buckets[key] = {cuts.bucket_of.get(v) for n in cuts.keyed[key]
+                            for v in _param_roots(n, cuts.derived, joint)} - {None}
+        return buckets[key]
+
+    keep: frozenset[str] = frozenset()
+    while True:  # a value kept under ZeRO-3 changes what the others need: plan again until none is
+        plan = plan_checkpoint(joint, cuts.region, cuts.passes, cuts.derived, boundary_kind, cuts.checkpoint,
+                               cuts.microbatches, keep)
+        handover = plan.handover(joint)
+        owner, computes = owners(cuts.keyed, plan.nodes, handover, position, plan.replay)
+        bad = demote_zero3(computes, nodes, lambda n: _param_roots(n, cuts.derived, joint), cuts.bucket_of,
+                           piece_buckets, zero3)
+        if not bad:
+            break
+        keep |= bad
+    cheap = {v for v in cuts.recompute.nodes if cuts.region.get(v) not in plan.kept_bytes}
+    cuts.recompute = RematPlan(frozenset(cheap | plan.nodes), cuts.recompute.released_bytes, handover, owner,
+                               plan.replay)
+    cuts.checkpointed = plan.kept_bytes
+
+
 # (name, pass, may be skipped by name)
 CUT_PASSES: list[tuple[str, Callable[[Cuts], None], bool]] = [
     ("regions", regions_pass, False),
@@ -128,6 +167,7 @@ CUT_PASSES: list[tuple[str, Callable[[Cuts], None], bool]] = [
     ("bucket_chunks", bucket_chunks_pass, True),
     ("cut_pieces", cut_pieces_pass, False),
     ("remat", remat_pass, True),
+    ("checkpoint", checkpoint_pass, False),
 ]
 
 
@@ -149,6 +189,11 @@ def _dump(cuts: Cuts) -> str:
     if cuts.recompute is not NO_REMAT:
         lines.append(f"  recomputed in backward: {len(cuts.recompute.nodes)} nodes, {cuts.recompute.released_bytes} bytes "
                      "of kept activations released")
+    for reg, kept in cuts.checkpointed.items():
+        mine = [v for v in cuts.recompute.nodes if cuts.region.get(v) == reg]
+        lines.append(f"  checkpoint {dict(reg)}: {len(mine)} forward values recomputed, {kept} bytes kept per "
+                     f"micro-batch, {sum(1 for v in mine if v in cuts.recompute.handover and v in cuts.recompute.owner)} "
+                     "recomputed once and handed to later backward pieces")
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ reads belong to the same region), so no new cross-stage traffic or segment depen
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -38,16 +38,37 @@ MAX_WORK = 2.0  # bytes a recomputation may write per byte of storage it release
 
 
 @dataclass(frozen=True)
+class Replay:
+    """Dropout's output rebuilt in the backward from its input and the mask the forward drew and kept:
+    ``native_dropout_backward(x, mask, scale)`` is ``x * mask * scale``, bitwise the forward's output
+    (the mask is 0 or 1), so no random op ever runs again."""
+
+    x: str
+    mask: str
+    scale: float
+
+
+@dataclass(frozen=True)
 class RematPlan:
-    """Forward nodes that backward segments recompute instead of receiving."""
+    """Forward nodes that backward segments recompute instead of receiving. A value in ``handover``
+    (activation checkpointing) is recomputed once per micro-batch, by the backward piece ``owner`` names
+    (the first of its region that needs it, BI before BW), and later pieces receive it from that piece."""
 
     nodes: frozenset[str]
     released_bytes: int  # kept storage released, at the capture batch size
+    handover: frozenset[str] = frozenset()
+    owner: dict[str, Any] = field(default_factory=dict)  # handover value -> key of the piece recomputing it
+    replay: dict[str, Replay] = field(default_factory=dict)
 
     def recomputes(self, name: str) -> bool:
         return name in self.nodes
 
+    def received(self, name: str, key: Any) -> bool:
+        """Whether piece ``key`` reads checkpointed value ``name`` from the piece that recomputed it."""
+        return name in self.handover and self.owner.get(name) != key
 
+
+HANDOVER_SUFFIX = "~rc"  # value name of a recomputed activation one backward piece hands to another
 NO_REMAT = RematPlan(frozenset(), 0)
 
 
@@ -56,13 +77,13 @@ def _op_name(n: fx.Node) -> str:
     return getattr(packet, "__name__", "") if packet is not None else ""
 
 
-def _aliases_input(n: fx.Node) -> bool:
+def aliases_input(n: fx.Node) -> bool:
     """Whether ``n``'s output is a view of its first input's storage (so keeping it keeps that storage)."""
     if n.op != "call_function":
         return False
     if n.target is operator.getitem:
         src = n.args[0]
-        return isinstance(src, fx.Node) and _aliases_input(src)
+        return isinstance(src, fx.Node) and aliases_input(src)
     if _op_name(n) == "_unsafe_view":  # a view of a fresh tensor (reshape after clone): same storage
         return True
     schema = getattr(n.target, "_schema", None)
@@ -97,14 +118,14 @@ def _val_bytes(val: Any) -> int:
     return numel * val.element_size()
 
 
-def _hint_bytes(n: fx.Node) -> int:
+def hint_bytes(n: fx.Node) -> int:
     """Bytes ``n`` produces, at the capture batch size."""
     return _val_bytes(n.meta.get("val"))
 
 
 def _work_bytes(nodes: set[fx.Node]) -> int:
     """What recomputing ``nodes`` writes (views and getitems are free)."""
-    return sum(_hint_bytes(n) for n in nodes if not _aliases_input(n) and n.target is not operator.getitem)
+    return sum(hint_bytes(n) for n in nodes if not aliases_input(n) and n.target is not operator.getitem)
 
 
 class _Planner:
@@ -122,9 +143,9 @@ class _Planner:
         r = self._root.get(n)
         if r is None:
             src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-            if n.target is operator.getitem and src is not None and _aliases_input(src):
+            if n.target is operator.getitem and src is not None and aliases_input(src):
                 src = src.args[0] if isinstance(src.args[0], fx.Node) else None
-            r = self.root(src) if src is not None and _aliases_input(n) else n
+            r = self.root(src) if src is not None and aliases_input(n) else n
             self._root[n] = r
         return r
 
@@ -202,14 +223,14 @@ class _Planner:
         changed = True
         while changed:  # a release can make a value read by a later one's recomputation: a second pass
             changed = False
-            for r in sorted(by_root, key=_hint_bytes, reverse=True):  # largest storage first
+            for r in sorted(by_root, key=hint_bytes, reverse=True):  # largest storage first
                 members = by_root.get(r)
                 if not members or not self._readers_local(members):
                     continue
                 plans = [self.closure(m, by_root.keys() - {r}) for m in members]
                 if any(p is None for p in plans):
                     continue
-                if _work_bytes({n for nodes, _ in plans for n in nodes}) > MAX_WORK * _hint_bytes(r):  # type: ignore[misc]
+                if _work_bytes({n for nodes, _ in plans for n in nodes}) > MAX_WORK * hint_bytes(r):  # type: ignore[misc]
                     continue
                 del by_root[r]
                 for nodes, leaves in plans:  # type: ignore[misc]
@@ -218,7 +239,7 @@ class _Planner:
                         group = by_root[self.root(a)]
                         if a not in group:
                             group.append(a)
-                released += _hint_bytes(r)
+                released += hint_bytes(r)
                 changed = True
         return RematPlan(frozenset(chosen), released)
 

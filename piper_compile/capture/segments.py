@@ -13,7 +13,9 @@ from torch import fx
 from piper_compile.capture.cut_passes import BucketBytes, Cuts, run_cut_passes
 from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region, RegionCycleError, boundary_kind, region_label
-from piper_compile.capture.remat import RematPlan
+from piper_compile.capture.checkpointing import replay_inputs
+from piper_compile.capture.remat import HANDOVER_SUFFIX, RematPlan
+from piper_compile.directives.spec import Checkpoint
 
 
 
@@ -65,7 +67,9 @@ def _symexpr(node: fx.Node, symbols: frozenset[str]) -> str | None:
 def extract_segments(joint: JointGraph, bucket_bytes: BucketBytes = None,
                      split_bw: Callable[[Region], bool] | None = None,
                      chunk_fw: Callable[[Region], bool] | None = None, remat: bool = True,
-                     timings: dict[str, float] | None = None) -> list[Segment]:
+                     timings: dict[str, float] | None = None,
+                     checkpoint: Callable[[Region], Checkpoint | None] | None = None,
+                     microbatches: int = 1) -> list[Segment]:
     """Cut the joint graph into segments: one per region and pass; the backward of regions for which
     ``split_bw`` holds is cut into BI and BW; backward (or BW) segments are further cut into
     bucket-sized chunks when ``bucket_bytes`` is given (one size, or a region's own: its ``replicate``
@@ -74,13 +78,15 @@ def extract_segments(joint: JointGraph, bucket_bytes: BucketBytes = None,
     them, and with ``remat`` so are cheap activations the backward can rebuild from what it keeps
     anyway (``capture/remat.py``). The cuts are the segment passes' (``capture/cut_passes.py``); this
     builds one segment per piece and checks the segment graph is acyclic. ``timings`` (if given) gets
-    the seconds of each segment pass."""
+    the seconds of each segment pass. ``checkpoint`` gives a region's checkpoint directive (or None);
+    ``microbatches`` is the step's micro-batch count (a ``budget_mb`` policy counts per micro-batch)."""
     timings = timings if timings is not None else {}
+    extra: dict[str, Any] = {"timings": timings, "checkpoint": checkpoint, "microbatches": microbatches}
     try:
-        return _extract(Cuts(joint, bucket_bytes, split_bw, chunk_fw, remat, False, timings=timings))
+        return _extract(Cuts(joint, bucket_bytes, split_bw, chunk_fw, remat, False, **extra))
     except RegionCycleError as first:  # e.g. RMSNorm backward's pow(rsqrt, 3) joined a forward region
         try:
-            return _extract(Cuts(joint, bucket_bytes, split_bw, chunk_fw, remat, True, timings=timings))
+            return _extract(Cuts(joint, bucket_bytes, split_bw, chunk_fw, remat, True, **extra))
         except RegionCycleError:
             raise first from None  # the default rule's message names the regions as the user tagged them
 
@@ -96,7 +102,10 @@ def _extract(cuts: Cuts) -> list[Segment]:
     # a value is a segment output exactly when another segment reads it (after recomputation decided what
     # each segment reads: a recomputed value's own inputs are read by the backward segments that copy it)
     read = {v for _, _, inputs in built.values() for v in inputs}
-    by_key = {key: _build_segment(joint, key, nodes, *built[key], read, out_node) for key, nodes in cuts.keyed.items()}
+    handed = {key: [n for n in built[key][1] if cuts.recompute.owner.get(n.name) == key
+                    and n.name + HANDOVER_SUFFIX in read] for key in cuts.keyed}
+    by_key = {key: _build_segment(joint, key, nodes, *built[key], read, out_node, handed[key])
+              for key, nodes in cuts.keyed.items()}
     _check_acyclic(by_key, {n.name: key for key, ns in cuts.keyed.items() for n in ns})
     return list(by_key.values())
 
@@ -120,6 +129,18 @@ def _segment_graph(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
     def load(a: fx.Node) -> fx.Node:
         if a in env:
             return env[a]
+        if backward and remat.received(a.name, key):  # checkpointed: an earlier backward piece recomputed it
+            ph = g.placeholder(f"in{len(inputs)}")
+            ph.meta.update(a.meta)
+            inputs.append(a.name + HANDOVER_SUFFIX)
+            env[a] = ph
+            return ph
+        if backward and a.name in remat.replay:  # dropout's output from its input and the kept mask
+            rp = remat.replay[a.name]
+            x, mask = replay_inputs(a, rp)
+            env[a] = g.call_function(torch.ops.aten.native_dropout_backward.default, (load(x), load(mask), rp.scale))
+            env[a].meta.update(a.meta)
+            return env[a]
         if a.name in derived or (backward and remat.recomputes(a.name)):  # recomputed here, not received
             env[a] = g.node_copy(a, load)
             return env[a]
@@ -141,13 +162,20 @@ def _segment_graph(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
             if a.name not in member:
                 load(a)
         env[n] = g.node_copy(n, lambda a: env[a])
+    if backward:  # the parts of a recomputed tuple this piece hands on (a getitem: no work)
+        by_name = {n.name: n for n in joint.gm.graph.nodes}
+        for v, owner in remat.owner.items():
+            if owner == key:
+                load(by_name[v])
     return g, env, inputs
 
 
 def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[fx.Node], g: fx.Graph,
-                   env: dict[fx.Node, fx.Node], inputs: list[str], read: set[str], out_node: fx.Node) -> Segment:
+                   env: dict[fx.Node, fx.Node], inputs: list[str], read: set[str], out_node: fx.Node,
+                   handed: list[fx.Node] = ()) -> Segment:  # type: ignore[assignment]
     """Finish a segment from :func:`_segment_graph`: its outputs are its values some other segment reads
-    (``read``: every segment's input values) and the joint graph's outputs (loss, gradients)."""
+    (``read``: every segment's input values), the joint graph's outputs (loss, gradients) and the
+    checkpointed activations it recomputed that later backward pieces read (``handed``)."""
     pass_, reg, chunk = key
     outputs: list[str] = []
     out_nodes: list[fx.Node] = []
@@ -157,6 +185,10 @@ def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
             outputs.append(n.name)
             out_nodes.append(env[n])
             out_meta[n.name] = _meta_of(n)
+    for n in handed:
+        outputs.append(n.name + HANDOVER_SUFFIX)
+        out_nodes.append(env[n])
+        out_meta[n.name + HANDOVER_SUFFIX] = _meta_of(n)
     g.output(tuple(out_nodes))
     seg_gm = fx.GraphModule(joint.gm, g)
     name = f"{pass_}.{region_label(reg) or 'all'}" + (f".c{chunk}" if chunk >= 0 else "")

@@ -69,6 +69,16 @@ def shard_tensor(params: dict[str, str], filter: Filter | None = None,
     return d
 
 
+def checkpoint(filter: Filter | None = None, policy: str | dict[str, Any] = "full") -> dict[str, Any]:
+    """Activation checkpointing of the matched regions: their forward values are recomputed in the backward
+    instead of kept from the forward. ``policy``: ``"full"`` keeps only each region's inputs;
+    ``"selective"`` also keeps matmul and attention outputs (recomputes norms, activations, residuals);
+    ``{"save": [aten op names]}`` keeps those ops' outputs; ``{"budget_mb": N}`` keeps, per region and
+    micro-batch, the values that are dearest to recompute per byte, within N MB. Random ops are never run
+    again: dropout's backward replays the mask the forward drew."""
+    return {"op": "checkpoint", "filter": dict(filter or {}), "policy": policy}
+
+
 def order(*groups: Filter | Sequence[Filter]) -> dict[str, Any]:
     """Order edges between consecutive groups; a group of several filters is an overlap slot."""
     return {"op": "order", "filters": [[dict(g)] if isinstance(g, dict) else [dict(f) for f in g] for g in groups]}

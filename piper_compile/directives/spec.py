@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from piper_compile.errors import PiperDirectiveError
 
@@ -130,9 +130,33 @@ class ShardTensor(Directive):
         return d
 
 
+CHECKPOINT_POLICIES = ("full", "selective")
+
+
+@dataclass(frozen=True)
+class Checkpoint(Directive):
+    """Activation checkpointing: the forward values of the matched regions are recomputed in their backward
+    instead of kept. ``policy``: ``full`` keeps only each region's inputs; ``selective`` also keeps matmul
+    and attention outputs; ``save`` keeps the outputs of the named aten ops; ``budget_mb`` keeps, per
+    region and micro-batch, the values that are dearest to recompute per byte within that many MB."""
+
+    filter: Filter = field(default_factory=dict)
+    policy: str = "full"  # full | selective | save | budget
+    save: tuple[str, ...] = ()
+    budget_mb: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        policy: Any = self.policy
+        if self.policy == "save":
+            policy = {"save": list(self.save)}
+        elif self.policy == "budget":
+            policy = {"budget_mb": self.budget_mb}
+        return {"op": "checkpoint", "filter": dict(self.filter), "policy": policy}
+
+
 _KNOWN = {"place": Place, "split": Split, "replicate": Replicate, "order": Order, "shard": Shard,
-          "shard_tensor": ShardTensor}
-_FUTURE = {"stream", "checkpoint"}
+          "shard_tensor": ShardTensor, "checkpoint": Checkpoint}
+_FUTURE = {"stream"}
 
 
 def _check_type(i: int, raw: dict, key: str, types: tuple[type, ...], what: str) -> Any:
@@ -296,7 +320,35 @@ def _parse_shard_tensor(i: int, raw: dict) -> ShardTensor:
                        params=tuple(sorted(params.items())), stream=stream, sequence_parallel=sp, seq_dim=seq_dim)
 
 
-_PARSERS = {"place": _parse_place, "split": _parse_split, "replicate": _parse_replicate, "order": _parse_order,
+def _parse_checkpoint(i: int, raw: dict) -> Checkpoint:
+    _allowed(i, raw, {"filter", "policy"})
+    flt = _filter(i, raw, raw.get("filter", {}))
+    if "PASS" in flt:
+        raise PiperDirectiveError(i, raw, "a checkpoint filter names regions, not passes (it has 'PASS')",
+                                  "drop 'PASS': the matched regions' forward values are recomputed in their backward")
+    policy = raw.get("policy", "full")
+    fix = ('use "full", "selective", {"save": ["mm", "addmm", ...]} (aten op names) or {"budget_mb": N}')
+    if isinstance(policy, str):
+        if policy not in CHECKPOINT_POLICIES:
+            raise PiperDirectiveError(i, raw, f"unknown checkpoint policy {policy!r}", fix)
+        return Checkpoint(index=i, raw=raw, filter=flt, policy=policy)
+    if not isinstance(policy, dict) or len(policy) != 1 or next(iter(policy)) not in ("save", "budget_mb"):
+        raise PiperDirectiveError(i, raw, f"checkpoint policy must be a string or an object with one key 'save' or "
+                                  f"'budget_mb', got {policy!r}", fix)
+    if "save" in policy:
+        names = policy["save"]
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            raise PiperDirectiveError(i, raw, f"policy 'save' must be a non-empty list of aten op names, got {names!r}",
+                                      'write e.g. {"save": ["mm", "addmm", "_scaled_dot_product_flash_attention"]}')
+        return Checkpoint(index=i, raw=raw, filter=flt, policy="save", save=tuple(dict.fromkeys(names)))
+    budget = policy["budget_mb"]
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise PiperDirectiveError(i, raw, f"policy 'budget_mb' must be a positive number of MB, got {budget!r}",
+                                  'write e.g. {"budget_mb": 512}')
+    return Checkpoint(index=i, raw=raw, filter=flt, policy="budget", budget_mb=float(budget))
+
+
+_PARSERS = {"checkpoint": _parse_checkpoint, "place": _parse_place, "split": _parse_split, "replicate": _parse_replicate, "order": _parse_order,
             "shard": _parse_shard, "shard_tensor": _parse_shard_tensor}
 
 
@@ -385,3 +437,25 @@ def split_backward_filters(directives: Iterable[Directive]) -> list[Filter]:
                         if base not in out:
                             out.append(base)
     return out
+
+
+def checkpoint_of(directives: list[Checkpoint]) -> Callable[[Any], Checkpoint | None] | None:
+    """A region's checkpoint directive (None when none matches it; None overall without any). Two
+    directives with different policies matching one region conflict: a ``piper:`` error."""
+    if not directives:
+        return None
+
+    def of(region: Any) -> Checkpoint | None:
+        found = [d for d in directives if filter_matches(d.filter, dict(region))]
+        policies = {json.dumps(d.to_json()["policy"], sort_keys=True) for d in found}
+        if len(policies) > 1:
+            raise found[1].error(f"region {dict(region)} is also matched by checkpoint directive #{found[0].index} "
+                                 f"with another policy ({sorted(policies)})",
+                                 "make the filters disjoint, or give both the same policy")
+        return found[0] if found else None
+    return of
+
+
+def microbatch_count(directives: Iterable[Directive]) -> int:
+    """The step's micro-batch count (1 without a split directive)."""
+    return max((d.num_microbatches for d in directives if isinstance(d, Split)), default=1)

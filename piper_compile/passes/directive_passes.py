@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Callable, Iterable
 
-from piper_compile.directives.spec import ANY, Directive, Filter, Order, Place, Replicate, Split, filter_matches
+from piper_compile.directives.spec import ANY, Checkpoint, Directive, Filter, Order, Place, Replicate, Split, filter_matches
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
 from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.passes.context import PassContext
@@ -192,6 +192,15 @@ def apply_order(dag: TrainingDAG, d: Order, ctx: PassContext) -> TrainingDAG:
     return dag
 
 
+def apply_checkpoint(dag: TrainingDAG, d: Checkpoint, ctx: PassContext) -> TrainingDAG:
+    """The recomputation itself happens when the joint graph is cut (``capture/checkpointing.py``): the
+    backward segments of the matched regions already recompute; here the filter is checked like any
+    other directive's."""
+    match(dag, d, d.filter, ctx)
+    return dag
+
+
 DIRECTIVE_PASSES: dict[type, Callable[[TrainingDAG, Directive, PassContext], TrainingDAG]] = {
     Place: apply_place, Split: apply_split, Replicate: apply_replicate, Order: apply_order,  # type: ignore
+    Checkpoint: apply_checkpoint,  # type: ignore
 }

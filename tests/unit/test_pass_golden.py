@@ -133,7 +133,8 @@ def test_segment_passes_are_named_timed_and_dumped(monkeypatch: pytest.MonkeyPat
     step = capture_step(model, *batch, directives=directives, world_size=2, options={"codegen": "eager"})
     step.initial_dag(False)
     assert list(step.graph_timings) == ["specialize_floats", "shard_linears", "sequence_parallel",  # graph passes (no-ops here)
-                                        "regions", "split_backward", "bucket_chunks", "cut_pieces", "remat"]
+                                        "regions", "split_backward", "bucket_chunks", "cut_pieces", "remat",
+                                        "checkpoint"]
     err = capsys.readouterr().err
     after_split = err.split("segment pieces after split_backward", 1)[1].split("--- piper", 1)[0]
     assert "  BI {'PP': 0}" in after_split and "  BW {'PP': 0}" in after_split, after_split
