@@ -24,6 +24,7 @@ read a parameter its piece does not gather is kept instead (``demote_zero3``).
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -146,6 +147,9 @@ def plan_checkpoint(joint: JointGraph, region: dict[str, Any], passes: dict[str,
             d = policy_of(reg)
             if d is not None:
                 regions[reg] = d
+    if len({region.get(n.name) for n in joint.gm.graph.nodes if passes.get(n.name) == "F"}) == 1:
+        for d in regions.values():
+            _warn_whole_forward(d)
     seen_ops: set[str] = set()
     for reg, d in regions.items():
         r = _Region(joint, region, passes, derived, boundary, reg, mb_count)
@@ -165,6 +169,13 @@ def plan_checkpoint(joint: JointGraph, region: dict[str, Any], passes: dict[str,
         plan.kept_bytes[reg] = _kept_bytes(r, recompute, replay)
     _check_save_names(regions.values(), seen_ops)
     return plan
+
+
+def _warn_whole_forward(d: Checkpoint) -> None:
+    warnings.warn(f"piper: checkpoint directive #{d.index} matches the only region, the whole forward: its "
+                  "backward recomputes the whole forward before it starts, so every activation is live again at once "
+                  "and the peak hardly drops. Checkpoint per block: tag each block (piper.annotate(block, AC=i)) and "
+                  'use piper.checkpoint({"AC": "*"}, ...)', stacklevel=2)
 
 
 def _check_save_names(directives: Iterable[Checkpoint], seen_ops: set[str]) -> None:

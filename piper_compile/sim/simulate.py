@@ -288,34 +288,47 @@ class _Sim:
                 raise PiperPlanError("piper: internal: the simulation stalled on programs the verifier accepts")
 
 
-def _memory(program: Program, sizes: Sizes,
-            spans: dict[tuple[int, int], Span]) -> tuple[int, list[tuple[float, int]], int]:
-    """Peak live activation bytes of one rank (host order), the (time, live bytes) series, and the
-    peak of all-gathered (ZeRO-3) parameter bytes."""
+def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
+            early: set[int] | frozenset[int] = frozenset()) -> tuple[int, list[tuple[float, int]], int]:
+    """Peak live activation bytes of one rank, the (time, live bytes) series, and the peak of all-gathered
+    (ZeRO-3) parameter bytes, in the order the executor runs the steps: a step the simulation ran ahead
+    (``early``: an overlap partner or filler, run while an earlier step waited) allocates before the step
+    it ran during, and frees at its own position, as ``Executor._step`` does; the peak is sampled after
+    each step in program order, before its frees."""
     live: dict[str, int] = {}
-    total = peak = gathered = peak_gathered = 0
+    acc = {"total": 0, "peak": 0, "gathered": 0, "peak_gathered": 0}
     series: list[tuple[float, int]] = []
-    for pos, ins in enumerate(program.instrs):
+
+    def alloc(ins: Instr) -> None:
         for v, b, is_param in ins.node.op.allocates(ins.node, sizes):  # the op's memory rule
-            if is_param:
-                live[v] = b
-                gathered += b
-            else:
-                total += b - live.get(v, 0)
-                live[v] = b
-        peak = max(peak, total)
-        peak_gathered = max(peak_gathered, gathered)
-        span = spans.get((program.rank, pos))
-        if span is not None:
-            series.append((span.start, total))
+            key = "gathered" if is_param else "total"
+            acc[key] += b - (0 if is_param else live.get(v, 0))
+            live[v] = b
+
+    def free(ins: Instr) -> None:
         for v in ins.frees:
-            if v.startswith("param:"):
-                gathered -= live.pop(v, 0)
-            else:
-                total -= live.pop(v, 0)
+            acc["gathered" if v.startswith("param:") else "total"] -= live.pop(v, 0)
+
+    ahead = sorted(early)  # not run yet, in program order
+    for pos, ins in enumerate(program.instrs):
+        span = spans.get((program.rank, pos))
+        if pos in early:  # allocated when it ran (below, before the step it ran during)
+            free(ins)
+            continue
+        start = span.start if span is not None else float("inf")
+        ran = [k for k in ahead if k > pos and (program.rank, k) in spans and spans[(program.rank, k)].start <= start]
+        for k in ran:
+            alloc(program.instrs[k])
+            ahead.remove(k)
+        alloc(ins)
+        acc["peak"] = max(acc["peak"], acc["total"])
+        acc["peak_gathered"] = max(acc["peak_gathered"], acc["gathered"])
         if span is not None:
-            series.append((span.host_end, total))
-    return peak, series, peak_gathered
+            series.append((span.start, acc["total"]))
+        free(ins)
+        if span is not None:
+            series.append((span.host_end, acc["total"]))
+    return acc["peak"], series, acc["peak_gathered"]
 
 
 def _shard_bytes(nbytes: int, fqns: Any, sizes: Sizes, world: int) -> int:
@@ -432,7 +445,7 @@ def simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None =
     by_pos = {(s.rank, s.pos): s for s in sim.spans}
     peaks, timeline, params, grads, gathered, grad_peak = {}, {}, {}, {}, {}, {}
     for p in programs:
-        peaks[p.rank], timeline[p.rank], gathered[p.rank] = _memory(p, sizes, by_pos)
+        peaks[p.rank], timeline[p.rank], gathered[p.rank] = _memory(p, sizes, by_pos, sim.early.get(p.rank, set()))
         params[p.rank], grads[p.rank] = state_bytes(p, sizes)
         grad_peak[p.rank] = _grad_peak(p, sizes, grads[p.rank])
     sim.spans += [Span(r, STEP_STREAM, "step", "step", STEP_KIND, 0.0, rank_end[r]) for r in sim.ranks]

@@ -23,18 +23,21 @@ def _activations(res: list[dict]) -> list[tuple[int, int]]:
     return [(r["memory"].measured.peak_activations, r["memory"].predicted.peak_activations) for r in res]
 
 
+@pytest.mark.slow
 def test_pp2_1f1b_activation_memory_drops_as_predicted():
     """1F1B keeps up to 2 micro-batches of activations in flight on stage 0: full checkpointing keeps only
     each stage's input per micro-batch. Measured peaks (the runtime's own accounting) drop on both ranks
-    (full < selective < none), and under full checkpointing the prediction equals the measurement. (Without
-    it the simulator misses ~65-80 KB of stage 0's peak, 16-19%: issue 17's memory plan.)"""
+    (full < selective < none), and the prediction equals the measurement: the simulator walks the steps in
+    the order the executor runs them (1F1B's B|F overlap slot runs F first while B's gradient is late, so
+    stage 0 holds 3 micro-batches at its peak, not 2)."""
     runs = {pol: _activations(run_parity(_pp(S.one_f_one_b(2, 4), pol), 2)) for pol in (None, "full", "selective")}
     print({k: [(m / 2**20, p / 2**20) for m, p in v] for k, v in runs.items()})  # MiB (measured, predicted)
     for rank in (0, 1):
         none, full, sel = (runs[p][rank][0] for p in (None, "full", "selective"))
         assert full < sel < none, runs
-        measured, predicted = runs["full"][rank]
-        assert predicted == measured, runs
+        for pol in runs:
+            measured, predicted = runs[pol][rank]
+            assert predicted == measured, (pol, rank, runs)
 
 
 @pytest.mark.slow
@@ -55,6 +58,7 @@ def test_pp2_x_dp2_zero3_selective():
     run_parity(cfg, 4)
 
 
+@pytest.mark.slow
 def test_ep2_moe_gpt_full():
     cfg = RunConfig(model="moegpt", model_kwargs={"layers": 2, "experts": 4}, local_batch=4,
                     directives=[piper.split(2), piper.replicate(), piper.shard({"EP": "*"}), piper.checkpoint()])

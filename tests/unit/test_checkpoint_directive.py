@@ -51,7 +51,7 @@ def _ops_delta(a: piper.StaticPlan, b: piper.StaticPlan, op: str) -> int:
     return _forward_in_backward(a, (op,)) - _forward_in_backward(b, (op,))
 
 
-@pytest.mark.parametrize("mb", [0.02, 0.05, 0.1])
+@pytest.mark.parametrize("mb", [0.02, pytest.param(0.05, marks=pytest.mark.slow)])
 def test_budget_keeps_within_the_budget_and_more_with_more(mb: float):
     full, budget = _gpt_plan("full"), _gpt_plan({"budget_mb": mb})
     kept = _kept_elements(budget) * 4  # fp32
@@ -69,7 +69,8 @@ def test_budget_below_what_must_be_kept_is_an_error():
         _two_stage(piper.schedules.one_f_one_b(2, 2), {"budget_mb": 0.001})
 
 
-@pytest.mark.parametrize("policy", ["full", "selective", {"budget_mb": 0.05}])
+@pytest.mark.parametrize("policy", ["full", *(pytest.param(p, marks=pytest.mark.slow)
+                                              for p in ("selective", {"budget_mb": 0.05}))])
 def test_training_is_bitwise_unchanged_and_matches_eager(policy: object):
     """Two micro-batches, eager codegen: gradients with checkpointing equal those without bitwise (the same
     ops on the same values) and match eager autograd."""
@@ -141,6 +142,7 @@ def test_split_backward_recomputes_in_bi_once_and_hands_to_bw():
     assert _kept_elements(p) < _kept_elements(_two_stage(piper.schedules.zb_h1(2, 2), policy=None))
 
 
+@pytest.mark.slow
 def test_pipeline_stages_exchange_the_same_values():
     """Checkpointing never crosses a region: the stages send each other exactly what they did before."""
     on, off = (_two_stage(piper.schedules.one_f_one_b(2, 2), pol) for pol in ("full", None))
@@ -150,6 +152,7 @@ def test_pipeline_stages_exchange_the_same_values():
     assert cross(on) == cross(off)
 
 
+@pytest.mark.slow
 def test_zero3_backward_steps_gather_the_same_buckets():
     """Under ZeRO-3 a step gathers the buckets it reads: a recomputation reads only parameters its step
     gathers anyway (others' values stay kept), so every step reads the same parameters as without."""
@@ -162,6 +165,7 @@ def test_zero3_backward_steps_gather_the_same_buckets():
         assert _kept_elements(on) < _kept_elements(off)
 
 
+@pytest.mark.slow
 def test_expert_and_tensor_parallel_boundaries_are_never_recomputed():
     moe = build_model("moegpt", **{**GPT_CFG, "experts": 4})
     p = _plan(moe, [piper.split(2), piper.replicate(), piper.shard({"EP": "*"}), piper.checkpoint()])
@@ -211,6 +215,7 @@ class _Dropout2(nn.Module):
         return self.b(F.dropout(F.dropout(torch.relu(self.a(x)), 0.2), 0.3)).square().mean()
 
 
+@pytest.mark.slow
 def test_stacked_dropouts_replay_their_masks():
     base = _Dropout2()
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
