@@ -117,10 +117,24 @@ def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
 class StaticPlan:
     """A strategy planned for ``world_size`` ranks in this process: the DAG and every rank's program."""
 
-    def __init__(self, dag: TrainingDAG, programs: list[Program], segments: dict[str, Any] | None = None) -> None:
+    def __init__(self, dag: TrainingDAG, programs: list[Program], segments: dict[str, Any] | None = None,
+                 optimizer: Any = None) -> None:
         self.dag = dag
         self.programs = programs
         self.segments = segments or {}  # name -> capture.segments.Segment (the compiled units)
+        self.optimizer = optimizer  # options["optimizer"]: the state it keeps counts in ``memory``
+        self._memory: dict[int, Any] | None = None
+
+    @property
+    def memory(self) -> dict[int, Any]:
+        """Every rank's predicted memory (``memory.RankMemory``): parameters, compute copies, gradients,
+        optimizer state, peak activations, ZeRO-3 gathered parameters and gradient buffers, the step where
+        the activations peak and the values live there. ``str()`` of one rank's entry is a short report."""
+        if self._memory is None:
+            from piper_compile.memory import plan_memory
+
+            self._memory = plan_memory(self.dag, self.programs, self.optimizer)
+        return self._memory
 
     def text(self) -> str:
         return "\n".join(p.to_text() for p in self.programs)
@@ -137,7 +151,7 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
                                   "pass world_size=N, the number of processes the plan is for (for a pipeline "
                                   "of S stages replicated D times, S * D)")
     cs = capture_step(model, *example_args, directives=directives, world_size=world_size, options=options)
-    return StaticPlan(*cs.build(forward_only), cs.segments)
+    return StaticPlan(*cs.build(forward_only), cs.segments, cs.options.optimizer)
 
 
 def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_size: int,

@@ -24,6 +24,7 @@ from piper_compile.directives.spec import (
     Checkpoint, Replicate, checkpoint_of, filter_matches, microbatch_count, split_backward_filters,
 )
 from piper_compile import metrics
+from piper_compile.memory import check_budget, plan_memory
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.ir.meta import PrecisionMeta
@@ -54,6 +55,7 @@ class Plan:
     executor: Executor
     fingerprint: int = 0  # of the DAG's text: equal on every rank that planned the same strategy
     layout: CallLayout | None = None  # what the call check needs (runtime/consistency.py)
+    reads: frozenset[str] = frozenset()  # the parameters this rank's program reads (must be resident)
 
 
 @dataclass
@@ -237,6 +239,8 @@ class CompiledStep:
             dag = run_passes(dag, self.options.directives, ctx)
             programs = build_programs(dag, self.world, self.options.reorder_window)
             verify_programs(programs)
+            if self.options.memory_budget_mb is not None and not forward_only:  # before anything runs
+                check_budget(plan_memory(dag, programs, self.options.optimizer), self.options.memory_budget_mb)
             self.blueprints[forward_only] = Blueprint(dag, programs, fingerprint(dag.to_text()),
                                                       call_layout(dag, self.world))
         return self.blueprints[forward_only]
@@ -254,13 +258,15 @@ class CompiledStep:
             groups = GroupRegistry(self.options.timeout_s)
             groups.ensure(group_keys(dag, self.world))
         assert self.state is not None and self.joint is not None
+        unread = _unread_params(dag, program)  # other pipeline stages' weights (with or without ZeRO)
         self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
-        self.state.ensure_shards(self._shard_specs(dag), self.joint.params, self.rank)
-        if dag.meta.zero and not forward_only:
-            self.state.release_unused(_unread_params(dag, program))
+        self.state.ensure_shards({f: s for f, s in self._shard_specs(dag).items() if f not in unread},
+                                 self.joint.params, self.rank)
+        if not forward_only:  # a forward-only program reads no more than the training one
+            self.state.release_unused(unread)
         check_shared_parameters(self.state)
         executor = self._executor(program, groups, dag, forward_only)
-        self.plans[forward_only] = Plan(dag, programs, executor, bp.fingerprint, bp.layout)
+        self.plans[forward_only] = Plan(dag, programs, executor, bp.fingerprint, bp.layout, _read_params(program))
         return self.plans[forward_only]
 
     def _compile_segments(self, program: Program) -> None:
@@ -380,6 +386,7 @@ class CompiledStep:
             tensors += [self.joint.buffers[f] for f in sorted(self.joint.buffers)]
             self.state.broadcast_from_rank0(tensors)
         self.state.shard()
+        _check_resident(plan.reads, self.state, self.rank, "training program" if train else "forward-only program")
         self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
         loss = plan.executor.run(list(args), check)
         if train:
@@ -404,6 +411,7 @@ class CompiledStep:
             raise PiperError("piper: piper.local(): the model has not made a collective call yet (its first call "
                              "makes every replica start from rank 0's weights); call the step on every rank first")
         executor = self._local_executor()
+        _check_resident(_read_params(executor.program), self.state, self.rank, "piper.local() program")
         bp = self.blueprint(True)
         record = CallRecord(self.state.index, bp.fingerprint, -1, self._local_batch(args), len(args), True)
         return executor.run(list(args), CallCheck.alone(record, bp.layout.microbatches))
@@ -446,14 +454,35 @@ def _without_loss_reduce(program: Program) -> Program:
     return Program(program.rank, [i for i in program.instrs if not isinstance(i.node.op, LossReduce)])
 
 
-def _unread_params(dag: TrainingDAG, program: Program) -> set[str]:
-    """Trained parameters that no instruction of ``program`` reads or updates (other stages' weights)."""
-    trained = {f for n in dag.of_kind(Kind.UPDATE) for f in n.op.params}  # type: ignore[attr-defined]
-    mine = {param_fqn(v) for i in program.instrs for v in i.node.inputs} - {None}
+def _read_params(program: Program) -> frozenset[str]:
+    """The parameters an instruction of ``program`` reads, gathers (ZeRO-3) or updates."""
+    mine = {f for i in program.instrs for f in map(param_fqn, i.node.inputs) if f is not None}
     upd = program.update_node()
     mine |= set(upd.op.params) if upd is not None else set()  # type: ignore[attr-defined]
     mine |= {f for i in program.instrs if isinstance(i.node.op, ParamGather) for f in i.node.op.params}
-    return trained - mine  # type: ignore[return-value]
+    return frozenset(mine)
+
+
+def _unread_params(dag: TrainingDAG, program: Program) -> set[str]:
+    """Trained parameters that no instruction of ``program`` reads or updates: other pipeline stages'
+    weights (with or without ZeRO, data / tensor / expert parallel inside the stages alike). Parameters no
+    rank trains (frozen) are kept: nobody owns them to fetch them from."""
+    trained = {f for n in dag.of_kind(Kind.UPDATE) for f in n.op.params}  # type: ignore[attr-defined]
+    return trained - _read_params(program)
+
+
+def _check_resident(reads: frozenset[str], state: TrainState, rank: int, what: str) -> None:
+    """Raise if ``what`` (a program of this rank) reads a parameter this rank released (another pipeline
+    stage's weight, given back after the training plan): it would compute with a tensor that has no
+    storage. A released expert / tensor-parallel weight is fine: programs read this rank's piece."""
+    missing = sorted((reads & state.released) - set(state.shards))
+    if missing:
+        more = f", ... ({len(missing)} in all)" if len(missing) > 4 else ""
+        raise PiperError(
+            f"piper: rank {rank}'s {what} reads {', '.join(missing[:4])}{more}, which this rank released after "
+            "planning training (its training program does not read them: they belong to another pipeline stage "
+            "there). The programs of one model must place every stage alike: compile the training and "
+            "forward-only calls with the same directives (piper.full_state_dict(step) still returns every weight)")
 
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,

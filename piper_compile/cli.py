@@ -60,7 +60,17 @@ def explain(args: argparse.Namespace) -> int:
             print(p.to_text() if args.verbose else p.to_text().splitlines()[0])
     print(f"# {world} ranks, {len(result.dag)} DAG nodes ({result.dag.summary()}); verified in {dt:.2f}s")
     _report_simulation(result, args)
+    if args.cmd == "explain":
+        _report_memory(result, args.ranks)
     return 0
+
+
+def _report_memory(result: "piper.StaticPlan", ranks: list[int] | None) -> None:  # noqa: F821
+    """Predicted memory of the ranks shown (default: rank 0 and the rank with the highest peak)."""
+    memory = result.memory
+    worst = max(memory.values(), key=lambda m: m.figures.peak_total)
+    for r in sorted(set(ranks) if ranks is not None else {0, worst.rank}):
+        print("# memory " + str(memory[r]).replace("\n", "\n# "))
 
 
 def _report_simulation(result: object, args: argparse.Namespace) -> None:

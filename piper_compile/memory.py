@@ -1,7 +1,9 @@
-"""``piper_compile.memory_report(step)``: per-rank bytes of parameters (in their own dtype: under mixed
-precision the fp32 master weights), mixed precision's compute copies, gradients, optimizer state and
-peak activations (in the dtype the step computes in), measured from the runtime's own buffers, beside the simulator's prediction for the
-same programs."""
+"""Memory per rank: ``piper_compile.memory_report(step)`` gives the bytes of parameters (in their own dtype:
+under mixed precision the fp32 master weights), mixed precision's compute copies, gradients, optimizer state
+and peak activations (in the dtype the step computes in), measured from the runtime's own buffers, beside
+the simulator's prediction for the same programs. ``plan_memory`` is that prediction alone, for a plan
+that has not run (``piper.plan(...).memory``, ``explain``), with the step where the peak happens and the
+values live there; ``check_budget`` rejects a plan over ``options["memory_budget_mb"]`` before it runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -14,6 +16,12 @@ import torch
 _STATE_PER_PARAM = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
                     "RMSprop": 1, "Adadelta": 2, "Rprop": 2, "ASGD": 2}
 MiB = 2**20
+# Which step runs when decides what is live: while a step waits for a peer, the executor runs its overlap
+# partner or fillers first (runtime/executor.py). The memory simulation lets communication take 10 forward
+# steps, so every such step whose own inputs are local runs ahead, as it does whenever peers are late
+# (measured on gloo: 14 strategies within 6%, most exact, tests/dist/test_memory_matrix.py). With fast links
+# (UniformCost(comm=0)) GPipe's last stage runs its backward in order and peaks higher (0.59 vs 0.47 MiB).
+MEMORY_COMM_S = 10.0
 
 
 @dataclass
@@ -32,6 +40,13 @@ class MemoryFigures:
     @property
     def persistent(self) -> int:
         return self.params + self.compute_copies + self.grads + self.optimizer
+
+    @property
+    def peak_total(self) -> int:
+        """Persistent state plus the step's peaks: gradient buffers (at least the persistent ones),
+        activations and ZeRO-3 gathered parameters, as if they peaked together (an upper bound)."""
+        return (self.params + self.compute_copies + self.optimizer + max(self.grads, self.peak_grad_buckets)
+                + self.peak_activations + self.peak_gathered_params)
 
     def line(self) -> str:
         return "  ".join(f"{f.name} {getattr(self, f.name) / MiB:.3f}" for f in fields(self))
@@ -66,7 +81,7 @@ def _measured(cs: Any) -> MemoryFigures:
     plan = cs.plans[False]
     ex = plan.executor
     st = cs.state
-    # every parameter storage the process holds (other stages' weights too unless ZeRO released them)
+    # every parameter storage the process holds (another stage's weights are released, ZeRO-3 keeps shards)
     tensors = [cs.joint.params[f] for f in sorted(cs.joint.params)]
     zero = st.zero
     if zero is not None:
@@ -84,22 +99,91 @@ def _measured(cs: Any) -> MemoryFigures:
                          s.peak_gathered_bytes, s.peak_grad_bytes)
 
 
-def _predicted(cs: Any) -> MemoryFigures:
-    from piper_compile.sim.cost import UniformCost
-    from piper_compile.sim.simulate import copy_bytes, simulate, trained_bytes
-    from piper_compile.sim.shapes import Sizes
+def optimizer_state_factor(opt: Any) -> int:
+    """Optimizer state tensors per parameter element of ``opt``: an optimizer, its class, or a
+    ``functools.partial`` of it (plain SGD without momentum keeps none; unknown ones count as Adam-like)."""
+    if opt is None:
+        return 0
+    kind = getattr(opt, "func", opt)
+    name = kind.__name__ if isinstance(kind, type) else type(opt).__name__
+    if name == "SGD":
+        momentum = (opt.param_groups[0].get("momentum") if hasattr(opt, "param_groups")
+                    else getattr(opt, "keywords", {}).get("momentum"))
+        return 1 if momentum else 0
+    return _STATE_PER_PARAM.get(name, 2)
 
+
+@dataclass
+class RankMemory:
+    """One rank's predicted memory: the figures, the step at its activation peak (program position and
+    label) and the values live there with their bytes, largest first."""
+
+    rank: int
+    figures: MemoryFigures
+    peak_pos: int
+    peak_step: str
+    live_at_peak: list[tuple[str, int]]
+
+    def contributors(self, n: int = 5) -> list[tuple[str, int]]:
+        """The ``n`` largest parts of the peak: state by kind and the largest activations live at it."""
+        f = self.figures
+        parts = [("parameters", f.params), ("compute copies", f.compute_copies),
+                 ("gradients", max(f.grads, f.peak_grad_buckets)), ("optimizer state", f.optimizer),
+                 ("gathered ZeRO-3 parameters", f.peak_gathered_params)]
+        parts += [(f"activation {v}", b) for v, b in self.live_at_peak]
+        return sorted((p for p in parts if p[1] > 0), key=lambda p: -p[1])[:n]
+
+    def format(self) -> str:
+        top = ", ".join(f"{name} {b / MiB:.3f}" for name, b in self.contributors())
+        return (f"rank {self.rank}: peak {self.figures.peak_total / MiB:.3f} MiB (activations peak at step "
+                f"#{self.peak_pos} {self.peak_step})\n  {self.figures.line()}\n  largest (MiB): {top}")
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def plan_memory(dag: Any, programs: list[Any], optimizer: Any = None) -> dict[int, RankMemory]:
+    """Every rank's predicted memory for planned ``programs`` (``optimizer``: the optimizer, its class or a
+    partial of it, for the state it keeps per parameter element)."""
+    from piper_compile.sim.cost import UniformCost
+    from piper_compile.sim.shapes import Sizes
+    from piper_compile.sim.simulate import copy_bytes, simulate, trained_bytes
+
+    res = simulate(programs, UniformCost(comm=MEMORY_COMM_S), dag)
+    sizes = Sizes.from_dag(dag)
+    factor = optimizer_state_factor(optimizer)
+    out: dict[int, RankMemory] = {}
+    for p in programs:
+        r = p.rank
+        figures = MemoryFigures(res.param_bytes[r], copy_bytes(p, sizes), res.grad_bytes[r],
+                                factor * trained_bytes(p, sizes), res.peak_activation_bytes[r],
+                                res.peak_gathered_bytes.get(r, 0), res.peak_grad_bytes.get(r, 0))
+        pos = res.peak_activation_pos.get(r, -1)
+        step = p.instrs[pos].short() if 0 <= pos < len(p.instrs) else "-"
+        out[r] = RankMemory(r, figures, pos, step, res.live_at_peak.get(r, []))
+    return out
+
+
+def check_budget(memory: dict[int, RankMemory], budget_mb: float) -> None:
+    """A ``piper:`` error when some rank's predicted peak exceeds ``budget_mb`` MiB: the worst rank, the step
+    where its activations peak and the largest contributors."""
+    from piper_compile.errors import PiperPlanError
+
+    over = [m for m in memory.values() if m.figures.peak_total > budget_mb * MiB]
+    if not over:
+        return
+    worst = max(over, key=lambda m: m.figures.peak_total)
+    top = ", ".join(f"{name} {b / MiB:.2f} MiB" for name, b in worst.contributors())
+    raise PiperPlanError(
+        f"piper: the plan needs {worst.figures.peak_total / MiB:.2f} MiB on rank {worst.rank} (ranks over the budget: "
+        f"{[m.rank for m in over]}), above options['memory_budget_mb']={budget_mb:g}; its activations peak at step "
+        f"#{worst.peak_pos} {worst.peak_step}; largest: {top}. Fix: shard more (replicate(zero=2 or 3)), use more "
+        "pipeline stages or micro-batches, checkpoint activations (piper.checkpoint), or raise the budget")
+
+
+def _predicted(cs: Any) -> MemoryFigures:
     plan = cs.plans[False]
-    res = simulate(plan.programs, UniformCost(), plan.dag)
-    r = cs.rank
-    opt = cs.state.optimizer
-    factor = _STATE_PER_PARAM.get(type(opt).__name__, 2) if opt is not None else 0
-    if opt is not None and type(opt).__name__ == "SGD" and not opt.param_groups[0].get("momentum"):
-        factor = 0
-    sizes = Sizes.from_dag(plan.dag)
-    trained = trained_bytes(plan.programs[r], sizes)
-    return MemoryFigures(res.param_bytes[r], copy_bytes(plan.programs[r], sizes), res.grad_bytes[r], factor * trained,
-                         res.peak_activation_bytes[r], res.peak_gathered_bytes.get(r, 0), res.peak_grad_bytes.get(r, 0))
+    return plan_memory(plan.dag, plan.programs, cs.state.optimizer)[cs.rank].figures
 
 
 def memory_report(step: Any) -> MemoryReport:

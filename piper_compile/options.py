@@ -16,7 +16,8 @@ from piper_compile.knobs import KNOBS, knob
 from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
-                         "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling", "log_stats"})
+                         "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling", "log_stats",
+                         "memory_budget_mb"})
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Options:
     reorder_window: int = 8  # gloo: compute steps ahead a waiting step may let run first (plan/reorder.py)
     precision: Precision = Precision()  # options["mixed_precision"] (precision.py)
     log_stats: int = 0  # log piper.stats's line at INFO every N training steps (metrics.py); 0: never
+    memory_budget_mb: float | None = None  # reject a plan whose predicted per-rank peak exceeds it (memory.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -53,7 +55,8 @@ class Options:
                    _flag(options, "overlap_streams", "on CUDA, run the two compute steps of an overlap slot on "
                          "two streams"),
                    _window(options), Precision.parse(options.get("mixed_precision"), opt is not None,
-                                                    options.get("loss_scaling")), _every(options))
+                                                    options.get("loss_scaling")), _every(options),
+                   _budget(options.get("memory_budget_mb")))
 
 
 def _optimizer(opt: Any) -> Callable[..., torch.optim.Optimizer] | None:
@@ -101,6 +104,15 @@ def _every(options: dict[str, Any]) -> int:
         raise PiperError(f"piper: options['log_stats'] must be a whole number of steps >= 0 (log piper.stats "
                          f"every N training steps at INFO on the 'piper_compile.stats' logger; 0: never), got {value!r}")
     return value
+
+
+def _budget(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PiperError(f"piper: options['memory_budget_mb'] must be a positive number of MiB per rank (plans whose "
+                         f"predicted peak on some rank exceeds it are rejected before anything runs), got {value!r}")
+    return float(value)
 
 
 def _flag(options: dict[str, Any], key: str, meaning: str) -> bool:

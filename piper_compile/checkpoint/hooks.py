@@ -23,7 +23,8 @@ def _names(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]
 
 def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """ZeRO-3: the module's parameters have no storage; put full tensors, all-gathered from the shards,
-    in their place (a collective over each ZeRO-3 bucket's group)."""
+    in their place (a collective over each ZeRO-3 bucket's group). Released parameters (other pipeline
+    stages'): every value from its owners (a collective over the world)."""
     z = st.zero
     if HOOKS_OFF[0]:
         return
@@ -106,9 +107,10 @@ def _load_post_hook(st: Any, module: nn.Module, incompatible: Any) -> None:
 
 
 def install_hooks(st: Any, module: nn.Module) -> None:
-    """Once per model, when its state is sharded (ZeRO): ``model.state_dict()`` returns full tensors
-    (ZeRO-3: all-gathered on demand, so every rank of a ZeRO group must call it together) and
-    ``model.load_state_dict(full)`` also updates the shards."""
+    """Once per model, when its state is sharded (ZeRO) or released (pipeline stages: other stages'
+    weights): ``model.state_dict()`` returns full tensors (ZeRO-3: all-gathered on demand, so every rank
+    of a ZeRO group must call it together; released weights: fetched from their owners, so every rank of
+    the world must) and ``model.load_state_dict(full)`` also updates the shards."""
     if st.hooks_installed or ((st.zero is None or not st.zero.sharded or not st.zero.buckets) and not st.released):
         return
     st.hooks_installed = True

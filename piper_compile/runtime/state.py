@@ -152,9 +152,11 @@ class TrainState:
         return {f: s.param for f, s in self.shards.items()}
 
     def release_unused(self, fqns: Iterable[str]) -> None:
-        """Under ZeRO with pipeline stages: parameters this rank never reads (other stages' weights) give
-        their memory back at ``shard()``; ``piper.full_state_dict`` / ``model.state_dict()`` fetch them
-        from the ranks that train them."""
+        """Pipeline stages (with or without ZeRO, data / tensor / expert parallel inside them): parameters
+        this rank's training program never reads (other stages' weights) give their memory back at
+        ``shard()``; ``piper.full_state_dict`` / ``model.state_dict()`` fetch them from the ranks that
+        train them (a collective over the world), and ``model.load_state_dict`` gives them storage for the
+        copy only."""
         self.to_release.update(fqns)
 
     def shard(self) -> None:

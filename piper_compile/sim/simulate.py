@@ -32,7 +32,7 @@ from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.ir.ops import GradReduce, ParamGather, QueueKey
 from piper_compile.plan.program import Instr, Program
-from piper_compile.plan.reorder import needs
+from piper_compile.plan.reorder import needs, still_read
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.sim.cost import CostModel
 from piper_compile.sim.shapes import Sizes
@@ -71,6 +71,8 @@ class SimResult:
     memory_timeline: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
     peak_gathered_bytes: dict[int, int] = field(default_factory=dict)
     peak_grad_bytes: dict[int, int] = field(default_factory=dict)
+    peak_activation_pos: dict[int, int] = field(default_factory=dict)  # program position of the activation peak
+    live_at_peak: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # (value, bytes), largest first
 
     @property
     def bubble(self) -> float:
@@ -288,47 +290,69 @@ class _Sim:
                 raise PiperPlanError("piper: internal: the simulation stalled on programs the verifier accepts")
 
 
+@dataclass
+class _MemoryWalk:
+    """One rank's activation memory over a step: peak, the (time, live bytes) series, the ZeRO-3 gathered
+    peak, the position of the step at the activation peak and the values live there, largest first."""
+
+    peak: int = 0
+    series: list[tuple[float, int]] = field(default_factory=list)
+    peak_gathered: int = 0
+    peak_pos: int = -1
+    at_peak: list[tuple[str, int]] = field(default_factory=list)
+
+
 def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
-            early: set[int] | frozenset[int] = frozenset()) -> tuple[int, list[tuple[float, int]], int]:
-    """Peak live activation bytes of one rank, the (time, live bytes) series, and the peak of all-gathered
-    (ZeRO-3) parameter bytes, in the order the executor runs the steps: a step the simulation ran ahead
-    (``early``: an overlap partner or filler, run while an earlier step waited) allocates before the step
-    it ran during, and frees at its own position, as ``Executor._step`` does; the peak is sampled after
-    each step in program order, before its frees."""
+            early: set[int] | frozenset[int] = frozenset()) -> _MemoryWalk:
+    """Walk one rank's steps in the order the executor runs them (on the host, as ``Executor._run_early``):
+    a step the simulation ran ahead (``early``: an overlap partner or filler, run while an earlier step
+    waited) allocates before the step it ran during and frees at once what it frees, except values a step
+    it jumped still reads (those at its own position); the peak is sampled after each step in program
+    order, before its frees."""
     live: dict[str, int] = {}
-    acc = {"total": 0, "peak": 0, "gathered": 0, "peak_gathered": 0}
-    series: list[tuple[float, int]] = []
+    gathered: dict[str, int] = {}
+    total = [0, 0]  # live, gathered bytes
+    out = _MemoryWalk()
+    at_peak: dict[str, int] = {}
 
     def alloc(ins: Instr) -> None:
         for v, b, is_param in ins.node.op.allocates(ins.node, sizes):  # the op's memory rule
-            key = "gathered" if is_param else "total"
-            acc[key] += b - (0 if is_param else live.get(v, 0))
-            live[v] = b
+            held = gathered if is_param else live
+            total[is_param] += b - held.get(v, 0)
+            held[v] = b
 
     def free(ins: Instr) -> None:
         for v in ins.frees:
-            acc["gathered" if v.startswith("param:") else "total"] -= live.pop(v, 0)
+            is_param = v.startswith("param:")
+            total[is_param] -= (gathered if is_param else live).pop(v, 0)
 
     ahead = sorted(early)  # not run yet, in program order
+    early_done: set[int] = set()
     for pos, ins in enumerate(program.instrs):
         span = spans.get((program.rank, pos))
         if pos in early:  # allocated when it ran (below, before the step it ran during)
             free(ins)
             continue
         start = span.start if span is not None else float("inf")
-        ran = [k for k in ahead if k > pos and (program.rank, k) in spans and spans[(program.rank, k)].start <= start]
-        for k in ran:
+        for k in [k for k in ahead if k > pos and (program.rank, k) in spans and spans[(program.rank, k)].start <= start]:
             alloc(program.instrs[k])
             ahead.remove(k)
+            keep = still_read(program, pos, k, early_done)  # the executor frees the rest at once
+            early_done.add(k)
+            for v in program.instrs[k].frees:
+                if v not in keep:
+                    total[v.startswith("param:")] -= (gathered if v.startswith("param:") else live).pop(v, 0)
         alloc(ins)
-        acc["peak"] = max(acc["peak"], acc["total"])
-        acc["peak_gathered"] = max(acc["peak_gathered"], acc["gathered"])
+        if total[0] > out.peak:
+            out.peak, out.peak_pos, at_peak = total[0], pos, dict(live)
+        out.peak_gathered = max(out.peak_gathered, total[1])
         if span is not None:
-            series.append((span.start, acc["total"]))
+            out.series.append((span.start, total[0]))
         free(ins)
         if span is not None:
-            series.append((span.host_end, acc["total"]))
-    return acc["peak"], series, acc["peak_gathered"]
+            out.series.append((span.host_end, total[0]))
+    out.at_peak = sorted(at_peak.items(), key=lambda kv: -kv[1])
+    return out
 
 
 def _shard_bytes(nbytes: int, fqns: Any, sizes: Sizes, world: int) -> int:
@@ -443,15 +467,17 @@ def simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None =
         rank_end[r] = last + cost.epilogue(r)
     sizes = Sizes.from_dag(dag)
     by_pos = {(s.rank, s.pos): s for s in sim.spans}
-    peaks, timeline, params, grads, gathered, grad_peak = {}, {}, {}, {}, {}, {}
+    peaks, timeline, params, grads, gathered, grad_peak, walks = {}, {}, {}, {}, {}, {}, {}
     for p in programs:
-        peaks[p.rank], timeline[p.rank], gathered[p.rank] = _memory(p, sizes, by_pos, sim.early.get(p.rank, set()))
+        walks[p.rank] = w = _memory(p, sizes, by_pos, sim.early.get(p.rank, set()))
+        peaks[p.rank], timeline[p.rank], gathered[p.rank] = w.peak, w.series, w.peak_gathered
         params[p.rank], grads[p.rank] = state_bytes(p, sizes)
         grad_peak[p.rank] = _grad_peak(p, sizes, grads[p.rank])
     sim.spans += [Span(r, STEP_STREAM, "step", "step", STEP_KIND, 0.0, rank_end[r]) for r in sim.ranks]
     sim.spans.sort(key=lambda s: (s.rank, s.start, s.pos))
     return SimResult(max(rank_end.values(), default=0.0), sim.ranks, sim.busy, rank_end, sim.spans, peaks, params,
-                     grads, timeline, gathered, grad_peak)
+                     grads, timeline, gathered, grad_peak, {r: w.peak_pos for r, w in walks.items()},
+                     {r: w.at_peak for r, w in walks.items()})
 
 
 def simulate_plan(plan: Any, cost: CostModel | None = None) -> SimResult:

@@ -19,25 +19,8 @@ def _pp(schedule: list, policy: object = "full", extra: list | None = None, **kw
     return RunConfig(model="gpt", model_kwargs={"layers": 4}, stages=2, directives=dirs, local_batch=8, **kw)  # type: ignore[arg-type]
 
 
-def _activations(res: list[dict]) -> list[tuple[int, int]]:
-    return [(r["memory"].measured.peak_activations, r["memory"].predicted.peak_activations) for r in res]
-
-
-@pytest.mark.slow
-def test_pp2_1f1b_activation_memory_drops_as_predicted():
-    """1F1B keeps up to 2 micro-batches of activations in flight on stage 0: full checkpointing keeps only
-    each stage's input per micro-batch. Measured peaks (the runtime's own accounting) drop on both ranks
-    (full < selective < none), and the prediction equals the measurement: the simulator walks the steps in
-    the order the executor runs them (1F1B's B|F overlap slot runs F first while B's gradient is late, so
-    stage 0 holds 3 micro-batches at its peak, not 2)."""
-    runs = {pol: _activations(run_parity(_pp(S.one_f_one_b(2, 4), pol), 2)) for pol in (None, "full", "selective")}
-    print({k: [(m / 2**20, p / 2**20) for m, p in v] for k, v in runs.items()})  # MiB (measured, predicted)
-    for rank in (0, 1):
-        none, full, sel = (runs[p][rank][0] for p in (None, "full", "selective"))
-        assert full < sel < none, runs
-        for pol in runs:
-            measured, predicted = runs[pol][rank]
-            assert predicted == measured, (pol, rank, runs)
+# PP2 1F1B with none / selective / full checkpointing, measured against predicted activation memory:
+# tests/dist/test_memory_matrix.py
 
 
 @pytest.mark.slow

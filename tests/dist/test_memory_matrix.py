@@ -1,0 +1,90 @@
+"""The memory plan against measurement across strategies: for every case, each rank's runtime-measured
+figures (``piper.memory_report``: the runtime's own accounting of parameters, gradients, optimizer
+state, peak activations, gathered ZeRO-3 parameters) against the simulator's prediction for the same
+programs. One process tree per world size runs every case in turn (Dynamo reset in between), and the
+test prints the table (``pytest -s``). Checkpointing lowers the measured peak as predicted (full <
+selective < none on both ranks of the 1F1B pipeline)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import piper_compile as piper
+from piper_compile.memory import MiB
+from piper_compile.testing.launch import run_local
+from piper_compile.testing.parity import RunConfig, piper_worker
+
+pytestmark = pytest.mark.slow
+S = piper.schedules
+GPT = {"layers": 4}
+TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+ADAMW = ("AdamW", {"lr": 1e-3})
+FIELDS = ("params", "grads", "optimizer", "peak_activations", "peak_gathered_params")
+
+
+def _pp(schedule: list, **kw: Any) -> RunConfig:
+    return RunConfig(model="gpt", model_kwargs=GPT, stages=2, local_batch=8, steps=2,
+                     directives=[*piper.pipeline(2), piper.split(4), *schedule], **kw)
+
+
+def _cases_2() -> dict[str, RunConfig]:
+    dp = lambda zero, **kw: RunConfig(model="gpt", model_kwargs=GPT, local_batch=8, steps=2, optimizer=ADAMW,  # noqa: E731
+                                      directives=[piper.replicate(zero=zero, bucket_mb=0.05), piper.split(2)], **kw)
+    return {
+        "DP2": dp(0), "DP2 ZeRO-1": dp(1), "DP2 ZeRO-2": dp(2), "DP2 ZeRO-3": dp(3),
+        "DP2 ZeRO-3 bf16": dp(3, mixed_precision={"param_dtype": "bf16"}),
+        "PP2 GPipe": _pp(S.gpipe(2, 4)), "PP2 1F1B": _pp(S.one_f_one_b(2, 4)), "PP2 ZB-H1": _pp(S.zb_h1(2, 4)),
+        "PP2 1F1B selective": _pp([*S.one_f_one_b(2, 4), piper.checkpoint({"PP": "*"}, policy="selective")]),
+        "PP2 1F1B checkpoint": _pp([*S.one_f_one_b(2, 4), piper.checkpoint({"PP": "*"})]),
+        "PP2 interleaved": RunConfig(model="gpt", model_kwargs=GPT, stages=4, local_batch=8, steps=2,
+                                     directives=[*S.round_robin(2, 2), piper.split(4), *S.interleaved_1f1b(2, 2, 4)]),
+        "PP2 ZBV": RunConfig(model="gpt", model_kwargs=GPT, stages=4, local_batch=8, steps=2,
+                             directives=[piper.split(4), *S.zbv(2, 4)]),
+        "TP2": RunConfig(model="gpt", model_kwargs={"layers": 2}, local_batch=4, tp=2, steps=2,
+                         directives=[piper.split(2), piper.shard_tensor(TP)]),
+        "EP2": RunConfig(model="moegpt", model_kwargs={"layers": 2, "experts": 4}, local_batch=4, steps=2,
+                         directives=[piper.split(2), piper.replicate(), piper.shard({"EP": "*"})]),
+    }
+
+
+def _cases_4() -> dict[str, RunConfig]:
+    cfg = _pp(S.one_f_one_b(2, 4), optimizer=ADAMW)
+    cfg.directives[:2] = piper.pipeline(2, ranks=[[0, 2], [1, 3]])
+    cfg.directives.append(piper.replicate({"PP": "*"}, zero=3, bucket_mb=0.05))
+    return {"PP2 x DP2 ZeRO-3": cfg}
+
+
+def _matrix_worker(rank: int, world: int, cases: dict[str, RunConfig]) -> dict[str, Any]:
+    out = {}
+    for name, cfg in cases.items():
+        torch._dynamo.reset()
+        mem = piper_worker(rank, world, cfg)["memory"]
+        out[name] = (mem.measured, mem.predicted)
+    return out
+
+
+def _table(results: dict[int, list[dict[str, Any]]]) -> list[tuple[str, int, str, float, float]]:
+    rows = []
+    for world, per_rank in results.items():
+        for rank, cases in enumerate(per_rank):
+            for name, (m, p) in cases.items():
+                for f in FIELDS:
+                    rows.append((name, rank, f, getattr(m, f) / MiB, getattr(p, f) / MiB))
+    print(f"\n{'case':22} rank {'figure':22} {'measured MiB':>13} {'predicted MiB':>14}  error")
+    for name, rank, f, m, p in rows:
+        err = abs(p - m) / m if m else (0.0 if p == 0 else float("inf"))
+        print(f"{name:22} {rank:4} {f:22} {m:13.4f} {p:14.4f}  {err:6.1%}")
+    return rows
+
+
+def test_prediction_within_ten_percent_of_measurement_on_every_case():
+    results = {2: run_local(_matrix_worker, 2, _cases_2()), 4: run_local(_matrix_worker, 4, _cases_4())}
+    rows = _table(results)
+    assert len({r[0] for r in rows}) >= 12
+    bad = [r for r in rows if abs(r[4] - r[3]) > 0.10 * r[3] + 1e-6]
+    assert not bad, bad
+    for rank, cases in enumerate(results[2]):  # checkpointing: full < selective < none, measured
+        acts = [cases[c][0].peak_activations for c in ("PP2 1F1B checkpoint", "PP2 1F1B selective", "PP2 1F1B")]
+        assert acts == sorted(acts) and acts[0] < 0.6 * acts[2], (rank, acts)
