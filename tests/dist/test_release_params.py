@@ -33,6 +33,7 @@ def _assert_params_as_predicted(res: list[dict[str, Any]]) -> None:
         assert m.params < whole, (rank, m.params, whole)
 
 
+@pytest.mark.slow
 def test_pp2_1f1b_gpt_releases_the_other_stage():
     """PP2 1F1B on the 4-layer GPT (tied wte on both stages): parity with eager, a forward-only call after
     training, and each rank's parameter memory is its stage's (was the whole model on both ranks)."""

@@ -51,7 +51,8 @@ def _ops_delta(a: piper.StaticPlan, b: piper.StaticPlan, op: str) -> int:
     return _forward_in_backward(a, (op,)) - _forward_in_backward(b, (op,))
 
 
-@pytest.mark.parametrize("mb", [0.02, pytest.param(0.05, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mb", [0.02, 0.05])
 def test_budget_keeps_within_the_budget_and_more_with_more(mb: float):
     full, budget = _gpt_plan("full"), _gpt_plan({"budget_mb": mb})
     kept = _kept_elements(budget) * 4  # fp32

@@ -43,6 +43,7 @@ def test_plan_memory_names_the_peak_step_and_its_values():
     assert _plan(_pp("gpipe")).memory[0].figures.peak_activations > plan.memory[0].figures.peak_activations
 
 
+@pytest.mark.slow
 def test_checkpointing_lowers_the_predicted_peak():
     base = _plan(_pp()).memory[0].figures.peak_activations
     ck = _plan([*_pp(), piper.checkpoint({"PP": "*"})]).memory[0].figures.peak_activations
