@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from piper_compile.capture.joint import JointGraph
-from piper_compile.capture.remat import BACKWARD_PASSES, Replay, aliases_input, hint_bytes
+from piper_compile.capture.remat import BACKWARD_PASSES, Replay, aliases_input, hint_bytes, op_name
 from piper_compile.directives.spec import Checkpoint
 
 SELECTIVE_SAVE = frozenset({
@@ -56,11 +56,6 @@ class CheckpointPlan:
         """The recomputed values one piece may hand to another: tensors (a tuple never crosses segments)."""
         nodes = {n.name: n for n in joint.gm.graph.nodes}
         return frozenset(v for v in self.nodes if isinstance(nodes[v].meta.get("val"), torch.Tensor))
-
-
-def op_name(n: fx.Node) -> str:
-    packet = getattr(n.target, "overloadpacket", None)
-    return getattr(packet, "__name__", "") if packet is not None else ""
 
 
 @dataclass

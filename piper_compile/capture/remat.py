@@ -72,7 +72,8 @@ HANDOVER_SUFFIX = "~rc"  # value name of a recomputed activation one backward pi
 NO_REMAT = RematPlan(frozenset(), 0)
 
 
-def _op_name(n: fx.Node) -> str:
+def op_name(n: fx.Node) -> str:
+    """The aten op name of a call node (``mm`` for ``aten.mm.default``), '' for anything else."""
     packet = getattr(n.target, "overloadpacket", None)
     return getattr(packet, "__name__", "") if packet is not None else ""
 
@@ -84,7 +85,7 @@ def aliases_input(n: fx.Node) -> bool:
     if n.target is operator.getitem:
         src = n.args[0]
         return isinstance(src, fx.Node) and aliases_input(src)
-    if _op_name(n) == "_unsafe_view":  # a view of a fresh tensor (reshape after clone): same storage
+    if op_name(n) == "_unsafe_view":  # a view of a fresh tensor (reshape after clone): same storage
         return True
     schema = getattr(n.target, "_schema", None)
     if schema is None or not schema.returns:
@@ -103,7 +104,7 @@ def _cheap(n: fx.Node) -> bool:
     tags = getattr(n.target, "tags", ())
     if torch.Tag.nondeterministic_seeded in tags or getattr(getattr(n.target, "_schema", None), "is_mutable", True):
         return False
-    name = _op_name(n)
+    name = op_name(n)
     return torch.Tag.pointwise in tags or name in _VIEWS or name in _COPIES or name in _NORMS
 
 
