@@ -135,13 +135,7 @@ def checkpoint_pass(cuts: Cuts) -> None:
     nodes = {n.name: n for n in joint.gm.graph.nodes}
     position = {name: i for i, name in enumerate(nodes)}
     zero3 = cuts.chunk_fw or (lambda reg: False)
-    buckets: dict[Any, set[Any]] = {}
-
-    def piece_buckets(key: Any) -> set[Any]:
-        if key not in buckets:
-            buckets[key] = {cuts.bucket_of.get(v) for n in cuts.keyed[key]
-                            for v in _param_roots(n, cuts.derived, joint)} - {None}
-        return buckets[key]
+    piece_buckets = _bucket_reads(joint, cuts.keyed, cuts.derived, cuts.bucket_of)
 
     keep: frozenset[str] = frozenset()
     while True:  # a value kept under ZeRO-3 changes what the others need: plan again until none is
@@ -337,12 +331,7 @@ def _remat_param_rule(joint: JointGraph, keyed: dict[Any, list[fx.Node]], seg_of
     of the linear layer whose weight gradient reads the norm's output)."""
     if chunk_fw is None:
         return lambda c, param: True
-    reads: dict[Any, set[Any]] = {}
-
-    def buckets(key: Any) -> set[Any]:
-        if key not in reads:
-            reads[key] = {bucket_of.get(v) for n in keyed[key] for v in _param_roots(n, derived, joint)} - {None}
-        return reads[key]
+    buckets = _bucket_reads(joint, keyed, derived, bucket_of)
 
     def ok(c: fx.Node, param: str) -> bool:
         if not chunk_fw(region[c.name]):
@@ -351,6 +340,19 @@ def _remat_param_rule(joint: JointGraph, keyed: dict[Any, list[fx.Node]], seg_of
         readers = {seg_of[u.name] for u in c.users if passes.get(u.name) != "F" and u.name in seg_of}
         return b is not None and all(b in buckets(k) for k in readers)
     return ok
+
+
+def _bucket_reads(joint: JointGraph, keyed: dict[Any, list[fx.Node]], derived: set[str],
+                  bucket_of: dict[str, Any]) -> Callable[[Any], set[Any]]:
+    """piece key -> the gradient buckets whose parameters the piece reads (ZeRO-3: the ones its step
+    gathers), computed once per piece."""
+    reads: dict[Any, set[Any]] = {}
+
+    def buckets(key: Any) -> set[Any]:
+        if key not in reads:
+            reads[key] = {bucket_of.get(v) for n in keyed[key] for v in _param_roots(n, derived, joint)} - {None}
+        return reads[key]
+    return buckets
 
 
 def _getitems_with_producer(keyed: dict[Any, list[fx.Node]], gm: fx.GraphModule) -> dict[Any, list[fx.Node]]:
