@@ -125,15 +125,9 @@ def weights_for(layout: CallLayout, batches: list[int], rank: int) -> Weights:
 def _check_group(timeout_s: float) -> Any:
     """The world's gloo group for call checks (made once per world, at the first collective call, before
     any other piper group: so every rank makes it first, whatever program it is about to run)."""
-    world = dist.group.WORLD
-    if _GROUP[0] is not world:
-        from piper_compile.runtime.groups import new_groups  # names a rank that never arrives
+    from piper_compile.runtime.groups import check_group  # names a rank that never arrives
 
-        _GROUP[:] = [world, new_groups([(tuple(range(dist.get_world_size())), "piper:check", "gloo")], timeout_s)[0]]
-    return _GROUP[1]
-
-
-_GROUP: list[Any] = [None, None]
+    return check_group(timeout_s)
 
 
 class CallCheck:

@@ -10,6 +10,7 @@ its connection (crashed or exited) is told apart from one that is merely slow.
 """
 from __future__ import annotations
 
+import atexit
 import time
 from datetime import timedelta
 from typing import Any
@@ -40,9 +41,32 @@ _BATCHES = [0]  # group-creation batches made in this world so far (the arrival 
 def _same_world() -> None:
     """Forget groups (and arrival batches) of an earlier world re-initialised in this process."""
     if _OWNER[0] is not dist.group.WORLD:
-        _GROUPS.clear()
-        _BATCHES[0] = 0
+        release_groups()
         _OWNER[0] = dist.group.WORLD
+        if not _AT_EXIT:
+            _AT_EXIT.append(atexit.register(release_groups))
+
+
+_AT_EXIT: list[Any] = []
+
+
+def release_groups() -> None:
+    """Drop piper's references to its process groups (and to the world they belong to). Registered with
+    ``atexit`` at the first group: the groups' gloo worker threads then end while the interpreter is
+    alive. Left to interpreter finalization, a group's destructor can run after the GIL is gone and
+    abort the process ("terminate called without an active exception") although the run succeeded."""
+    _GROUPS.clear()
+    _BATCHES[0] = 0
+    _OWNER[0] = None
+
+
+def check_group(timeout_s: float) -> Any:
+    """The world's gloo group for piper's call checks, made at the first call (see ``consistency``)."""
+    _same_world()
+    key = ("piper:check", tuple(range(dist.get_world_size())), "gloo")
+    if key not in _GROUPS:
+        _GROUPS[key] = new_groups([(key[1], "piper:check", "gloo")], timeout_s)[0]
+    return _GROUPS[key]
 
 
 def arrive(timeout_s: float) -> None:
