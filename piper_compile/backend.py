@@ -178,6 +178,24 @@ class CompiledStep:
                              "layers, after capture/tp_shapes.py fitted its view/reshape/expand/split sizes to the "
                              "local shapes; an op it does not check failed on them: write -1 for a split dimension "
                              "(view(b, t, -1, head_dim)) and split fused outputs with chunk()") from e
+        self._cut()
+        self.example_inputs = []  # drop references to the first batch
+
+    def share_capture(self, other: "CompiledStep") -> None:
+        """Plan on ``other``'s captured joint graph instead of capturing again: for steps of one model and
+        batch whose directives differ only in what acts after capture (placement, micro-batches, schedule,
+        ZeRO, checkpointing; not tensor parallelism or mixed precision, which change the capture).
+        ``autoplan`` plans its candidates this way."""
+        if other.joint is None:
+            other._capture()
+        self.joint, self.tp_shards, self.tp_partial = other.joint, other.tp_shards, other.tp_partial
+        self.graph_timings, self.float_constants = other.graph_timings, other.float_constants
+        self._cut()
+        self.example_inputs = []
+
+    def _cut(self) -> None:
+        """The joint graph cut into segments for this step's directives, and the training state."""
+        assert self.joint is not None
         split = split_backward_filters(self.options.directives)
         zero3 = [d.filter for d in self.options.directives if isinstance(d, Replicate) and d.zero >= 3]
 
@@ -195,7 +213,6 @@ class CompiledStep:
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.adopt_precision(self.options.precision)
         self.state.steps.append(self)
-        self.example_inputs = []  # drop references to the first batch
 
     def context(self, forward_only: bool) -> PassContext:
         j = self.joint

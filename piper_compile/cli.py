@@ -1,5 +1,6 @@
-"""``python -m piper_compile explain``: plan a strategy for a built-in model at any world size, verify
-every rank's program and print them -- no processes launched."""
+"""``python -m piper_compile explain``: plan a strategy for a built-in model (or the user's, ``--model
+pkg.module:factory``) at any world size, verify every rank's program and print them; ``autoplan``: search
+and rank strategies for a world and a memory budget -- no processes launched."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import functools
 import json
 import sys
 import time
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -33,19 +35,48 @@ def _directives(args: argparse.Namespace) -> list:
     return out
 
 
+BUILT_IN = ("mlp", "skip", "gpt", "moegpt")
+
+
+def load_model(spec: str, batch: int, depth: int | None = None, dim: int | None = None,
+               fake: bool = True) -> tuple[torch.nn.Module, tuple]:
+    """A model and an example batch of ``batch`` rows: a built-in toy model (``BUILT_IN``), or the user's
+    ``pkg.module:factory`` -- a callable returning a model with ``make_batch(n, generator)``, or a
+    ``(model, batch)`` pair. ``fake``: parameters are fake (meta storage, no memory), so plans for models
+    of any size fit on this machine (the meta device itself loses nll_loss's backward in the joint trace)."""
+    import contextlib
+    import importlib
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        if spec in BUILT_IN:
+            from piper_compile.testing.models import build_model
+
+            sizes: dict = {}
+            if depth:
+                sizes["layers" if spec.endswith("gpt") else "depth"] = depth
+            if dim:
+                sizes["dim"] = dim
+            made: object = build_model(spec, **sizes)
+        else:
+            module, _, name = spec.partition(":")
+            try:
+                factory = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise PiperError(f"piper: --model {spec!r}: cannot load it ({e}); write a built-in name "
+                                 f"{list(BUILT_IN)} or pkg.module:factory") from None
+            made = factory()
+        if isinstance(made, tuple):
+            return made[0], tuple(made[1])
+        if not hasattr(made, "make_batch"):
+            raise PiperError(f"piper: --model {spec!r}: the factory returned a {type(made).__name__} without "
+                             "make_batch(n, generator); return (model, example_batch) instead")
+        return made, tuple(made.make_batch(batch, torch.Generator().manual_seed(0)))  # type: ignore[union-attr]
+
+
 def explain(args: argparse.Namespace) -> int:
     import piper_compile as piper
-    from piper_compile.testing.models import build_model
 
-    depth = max(4, args.stages)
-    sizes: dict = {"layers": depth} if args.model == "gpt" else {"depth": depth}
-    if args.dim:
-        sizes["dim"] = args.dim
-    # Fake CPU parameters (meta storage, no memory): plans for models of any size fit on this machine.
-    # (The meta device itself does not work: the joint trace loses nll_loss's backward there.)
-    with FakeTensorMode():
-        model = build_model(args.model, **sizes)
-        batch = model.make_batch(args.batch, torch.Generator().manual_seed(0))
+    model, batch = load_model(args.model, args.batch, max(4, args.stages), args.dim)
     if args.stages > 1:
         model.annotate_stages(args.stages)
     world = args.world_size or args.stages * args.dp
@@ -101,21 +132,65 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("simulate", help="plan, verify and report predicted step time, bubble and memory")
     _add_plan_args(s)
     sub.add_parser("knobs", help="print the table of every PIPER_* environment variable (README's table)")
+    a = sub.add_parser("autoplan", help="search strategies for a world and a memory budget; print them ranked")
+    _add_autoplan_args(a)
     args = p.parse_args(argv)
+    if args.cmd == "autoplan":
+        return _guarded(autoplan, args)
     if args.cmd == "knobs":
         from piper_compile.knobs import markdown_table
 
         print(markdown_table())
         return 0
+    return _guarded(explain, args)
+
+
+def _guarded(fn: Any, args: argparse.Namespace) -> int:
     try:
-        return explain(args)
+        return fn(args)
     except PiperError as err:
         print(err, file=sys.stderr)
         return 2
 
 
+def autoplan(args: argparse.Namespace) -> int:
+    import piper_compile as piper
+
+    model, batch = load_model(args.model, args.batch, args.layers, args.dim)
+    network = json.loads(args.network) if args.network.startswith("{") else args.network
+    res = piper.autoplan(model, *batch, world_size=args.world_size, memory_mb=args.memory_mb, network=network,
+                         flops_per_s=args.flops, top=args.top, schedules=args.schedules, zero_levels=args.zero)
+    print(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"label": c.candidate.label(), "directives": c.directives, "block_stages": c.block_stages,
+                        "step_time_s": c.step_time, "peak_mb": c.max_peak_mb} for c in res.ranked], f, indent=1)
+        print(f"# directives of the ranked strategies: {args.json}")
+    return 0
+
+
+def _add_autoplan_args(a: argparse.ArgumentParser) -> None:
+    from piper_compile.autoplan import NETWORKS
+    from piper_compile.autoplan.space import SCHEDULES
+
+    a.add_argument("--model", default="gpt", help=f"one of {list(BUILT_IN)} or pkg.module:factory")
+    a.add_argument("--world-size", type=int, required=True)
+    a.add_argument("--memory-mb", type=float, default=None, help="per-rank memory budget (MiB)")
+    a.add_argument("--network", default="ethernet", help=f"one of {sorted(NETWORKS)} or a JSON object "
+                   '{"pp": [bytes_per_s, latency_s], "dp": ...}')
+    a.add_argument("--flops", type=float, default=1e12, help="FLOP/s per rank")
+    a.add_argument("--batch", type=int, default=16, help="global batch")
+    a.add_argument("--layers", type=int, default=None, help="blocks of a built-in model")
+    a.add_argument("--dim", type=int, default=None, help="width of a built-in model")
+    a.add_argument("--top", type=int, default=5)
+    a.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
+    a.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    a.add_argument("--json", help="write the ranked strategies' directives here")
+
+
 def _add_plan_args(e: argparse.ArgumentParser) -> None:
-    e.add_argument("--model", choices=["mlp", "skip", "gpt"], default="gpt")
+    e.add_argument("--model", default="gpt", help=f"one of {list(BUILT_IN)} or pkg.module:factory (a callable "
+                   "returning a model with make_batch(n, generator), or (model, batch))")
     e.add_argument("--stages", type=int, default=2)
     e.add_argument("--dp", type=int, default=1)
     e.add_argument("--microbatches", type=int, default=4)

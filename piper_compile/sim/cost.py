@@ -163,7 +163,9 @@ class FlopCost(CostModel):
     when given, + ``overhead_s`` per instruction); communication = ``latency_s`` + bytes / ``bytes_per_s``
     (ring all-reduce moves 2(n-1)/n of the bucket); UPDATE = ``update_passes`` x parameter bytes /
     ``mem_bytes_per_s`` (0 without it). ``symbols`` overrides symbol values (default: capture-time
-    values, the batch symbol at the micro-batch size)."""
+    values, the batch symbol at the micro-batch size). ``links`` gives a traffic class its own link,
+    ``{"pp": (bytes_per_s, latency_s), "dp": ..., "ep": ..., "tp": ...}`` (the class is the stream's
+    first letters: ``pp_fwd`` is ``pp``, ``dp_gather`` is ``dp``); other traffic uses the defaults."""
 
     flops_per_s: float = 1e12
     bytes_per_s: float = 10e9
@@ -172,6 +174,7 @@ class FlopCost(CostModel):
     overhead_s: float = 0.0
     update_passes: int = 4
     symbols: dict[str, int] | None = None
+    links: dict[str, tuple[float, float]] | None = None
     sizes: Sizes = field(default_factory=Sizes, init=False)
     flops: dict[str, int] = field(default_factory=dict, init=False)  # segment -> FLOPs
     written: dict[str, int] = field(default_factory=dict, init=False)  # segment -> bytes written
@@ -196,14 +199,24 @@ class FlopCost(CostModel):
     def update_time(self, ins: Instr, rank: int, nbytes: int) -> float:
         return self.update_passes * nbytes / self.mem_bytes_per_s if self.mem_bytes_per_s else 0.0
 
+    def link(self, ins: Instr) -> tuple[float, float]:
+        """(bytes/s, latency s) of the link ``ins`` travels on."""
+        if self.links:
+            found = self.links.get(ins.node.stream.split("_")[0])
+            if found is not None:
+                return found
+        return self.bytes_per_s, self.latency_s
+
     def p2p_time(self, ins: Instr, rank: int, msg: str) -> float:
-        return self.latency_s + self.sizes.messages.get(msg, 0) / self.bytes_per_s
+        bw, lat = self.link(ins)
+        return lat + self.sizes.messages.get(msg, 0) / bw
 
     def collective_time(self, ins: Instr, rank: int, algo: str, members: int, nbytes: int) -> float:
         """Ring algorithms: an all-reduce moves 2(n-1)/n of the bytes, the others (n-1)/n."""
         members = max(members, 1)
         factor = 2.0 if algo == "all_reduce" else 1.0
-        return self.latency_s + factor * (members - 1) / members * nbytes / self.bytes_per_s
+        bw, lat = self.link(ins)
+        return lat + factor * (members - 1) / members * nbytes / bw
 
     def params_bytes(self, fqns: Iterable[str], as_: str = "master") -> int:
         return self.sizes.params_bytes(fqns, as_)
