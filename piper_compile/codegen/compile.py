@@ -6,6 +6,7 @@ the segment with ``make_fx`` (Inductor's decompositions, concrete shapes) and co
 """
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from typing import Any, Callable
@@ -33,6 +34,8 @@ class CompiledSegment:
         self._cache: dict[Signature, Callable[[list[Any]], Any]] = {}
         self.compile_seconds = 0.0
         self.fallback: str | None = None  # why Inductor failed, when this segment runs eagerly instead
+        self.fallback_op: str | None = None  # the op Inductor failed on, when the error names one
+        self.fallback_source: str | None = None  # the user's source line that op came from
 
     def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
         if self.mode == "eager":
@@ -42,8 +45,14 @@ class CompiledSegment:
             compiled = self._inductor(args)
         except Exception as e:  # noqa: BLE001 - an Inductor bug must not stop training
             self.fallback = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            warnings.warn(f"piper: Inductor could not compile segment {self.name} ({self.fallback}); running it "
-                          "eagerly (numerics unchanged; set codegen='eager' to silence)", stacklevel=2)
+            self.fallback_op = culprit_op(e)
+            self.fallback_source = source_of(self.gm, self.fallback_op) if self.fallback_op else None
+            where = ""
+            if self.fallback_op:
+                where = f" at {self.fallback_op}" + (f", from {self.fallback_source}" if self.fallback_source else "")
+            warnings.warn(f"piper: Inductor could not compile segment {self.name} ({self.fallback}){where}; running "
+                          "it eagerly (numerics unchanged; counted in piper.stats(step).fallbacks; set "
+                          "codegen='eager' to silence)", stacklevel=2)
             return lambda a: self.gm(*a)
         finally:
             self.compile_seconds += time.perf_counter() - t0
@@ -82,3 +91,41 @@ class CompiledSegment:
         with torch.no_grad():
             out = fn(args)
         return list(out)
+
+
+_TARGET = re.compile(r"target: ([\w.]+)")
+_OP_NAME = re.compile(r"\b(?:aten|prims|torch\.ops\.\w+)\.\w+(?:\.\w+)?")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def culprit_op(exc: BaseException) -> str | None:
+    """The op an Inductor failure is about: a fake-tensor exception's ``func``, a lowering error's
+    ``target``, or the first op name in the messages of the exception chain."""
+    chain, e, seen = [], exc, set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    for e in chain:
+        func = getattr(e, "func", None)  # DataDependentOutputException and its kin
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return str(func)
+        found = _TARGET.search(str(e))
+        if found:
+            return found.group(1)
+    found = next((m for e in chain for m in [_OP_NAME.search(str(e))] if m), None)
+    return found.group(0) if found else None
+
+
+def source_of(gm: fx.GraphModule, op: str) -> str | None:
+    """``file:line in function: code`` of the user's source of the first node of ``gm`` running ``op``
+    (an overload name like ``aten.tanh.default`` or a packet like ``aten.tanh``)."""
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if node.op == "call_function" and (target == op or target.startswith(op + ".") or op.startswith(target + ".")
+                                            or target.rsplit(".", 1)[0] == op.rsplit(".", 1)[0]):
+            frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+            if frames:
+                path, line, fn, code = frames[-1]
+                return f"{path}:{line} in {fn}: {code.strip()}"
+    return None

@@ -115,6 +115,32 @@ def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch):
     assert all(c.fallback for c in piper.compiled_steps(step)[0].compiled.values())
 
 
+@pytest.mark.parametrize("how", ["lowering", "data_dependent"])
+def test_an_inductor_fallback_names_the_op_and_the_source_line(monkeypatch, how):
+    """Before: only the exception's first line; the op and where it came from in the model were left to guess."""
+    from torch._inductor.exc import InductorError, LoweringException
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from piper_compile.codegen.compile import CompiledSegment
+
+    tanh = torch.ops.aten.tanh.default
+
+    def broken(self, args):
+        if how == "lowering":  # as Inductor reports a lowering that failed
+            raise InductorError(LoweringException(RuntimeError("no lowering"), tanh, [], {}), None)
+        raise DataDependentOutputException(tanh)
+
+    monkeypatch.setattr(CompiledSegment, "_inductor", broken)
+    model = build_model("mlp")
+    step = _compile(model, codegen="inductor")
+    with pytest.warns(UserWarning, match=r"segment F.all .*at aten\.tanh\.default, from .*models\.py:\d+ in forward: "
+                                         r"x = torch\.tanh\(layer\(x\)\)"):
+        step(*model.make_batch(4, torch.Generator().manual_seed(0)))
+    seg = piper.compiled_steps(step)[0].compiled["F.all"]
+    assert seg.fallback_op == "aten.tanh.default" and "models.py" in seg.fallback_source
+    assert piper.stats(step).fallbacks == len(piper.compiled_steps(step)[0].compiled)
+
+
 def test_optimizer_uses_the_fused_implementation_unless_the_user_chose_one():
     from piper_compile.runtime.optimizer import build_optimizer
 
