@@ -82,7 +82,7 @@ def run_choice(rank: int, world: int, spec: Spec, kind: str, choice: Any) -> Any
     n = spec.batch * world // c.dp
     step = piper.compile(model, directives=choice.directives, codegen=spec.codegen,
                          optimizer=functools.partial(torch.optim.AdamW, lr=spec.lr))
-    res = timed_loop(lambda i: step(*local_batch(batches, i, rank // c.pp, n)), spec)
+    res = timed_loop(lambda i: step(*local_batch(batches, i, choice.replica(rank), n)), spec)
     res.extra = {"peak_mib": piper.memory_report(step).measured.peak_total / MiB}
     return res
 

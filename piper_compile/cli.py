@@ -159,7 +159,8 @@ def autoplan(args: argparse.Namespace) -> int:
     model, batch = load_model(args.model, args.batch, args.layers, args.dim)
     network = json.loads(args.network) if args.network.startswith("{") else args.network
     res = piper.autoplan(model, *batch, world_size=args.world_size, memory_mb=args.memory_mb, network=network,
-                         flops_per_s=args.flops, top=args.top, schedules=args.schedules, zero_levels=args.zero)
+                         flops_per_s=args.flops, top=args.top, schedules=args.schedules, zero_levels=args.zero,
+                         tp_plan=json.loads(args.tp_plan) if args.tp_plan else None)
     print(res)
     if args.json:
         with open(args.json, "w") as f:
@@ -186,6 +187,8 @@ def _add_autoplan_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
     a.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     a.add_argument("--json", help="write the ranked strategies' directives here")
+    a.add_argument("--tp-plan", help='search tensor parallelism too: a JSON object of shard_tensor layers, e.g. '
+                   '{"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise"}')
 
 
 def _add_plan_args(e: argparse.ArgumentParser) -> None:

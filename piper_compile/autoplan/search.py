@@ -57,6 +57,10 @@ class Choice:
         """The global batch is split over this many replicas (each rank's batch: global / dp)."""
         return self.candidate.dp
 
+    def replica(self, rank: int) -> int:
+        """The slice (of ``local_batch_divisor``) of the global batch ``rank`` trains on."""
+        return self.candidate.replica(rank)
+
     def annotate(self, model: nn.Module) -> nn.Module:
         """Tag ``model``'s blocks as this strategy needs (``PP`` = stage, ``AC`` = block with checkpointing)."""
         from piper_compile.capture.annotate import annotate
@@ -96,24 +100,27 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
              network: str | dict[str, tuple[float, float]] = "ethernet", flops_per_s: float = 1e12,
              cost: Any = None, optimizer: Any = None, top: int = 5,
              schedules: Iterable[str] = tuple(SCHEDULES), zero_levels: Iterable[int] = (0, 1, 2, 3),
-             checkpoint: Iterable[str] = CHECKPOINT_POLICIES, time_limit_s: float | None = None) -> AutoPlan:
+             checkpoint: Iterable[str] = CHECKPOINT_POLICIES, tp_plan: dict[str, str] | None = None,
+             time_limit_s: float | None = None) -> AutoPlan:
     """Search the strategies piper can build for ``model`` on ``world_size`` ranks and rank them.
 
     ``example_batch``: one *global* batch (dim 0 is split over data-parallel replicas and micro-batches).
     ``memory_mb``: per-rank budget (MiB) every returned plan's predicted peak fits. ``network``: a preset
     (``NETWORKS``: nvlink, ib, ethernet, loopback) or ``{"pp"|"dp"|"ep"|"tp": (bytes_per_s, latency_s)}``;
     ``flops_per_s``: the device's compute rate; ``cost``: any ``sim`` cost model instead of both.
-    ``optimizer``: counted in memory (default AdamW; ZeRO needs one). Returns ``top`` choices (all that
-    fit if ``top`` is None); a budget nothing fits is a ``piper:`` error naming the closest strategy."""
+    ``optimizer``: counted in memory (default AdamW; ZeRO needs one). ``tp_plan``: the model's
+    tensor-parallel layers as ``shard_tensor`` takes them (``{"blocks.*.qkv": "colwise:3", ...}``); with it,
+    TP degrees are searched too. Returns ``top`` choices (all that fit if ``top`` is None); a budget
+    nothing fits is a ``piper:`` error naming the closest strategy."""
     t0 = time.perf_counter()
     optimizer = optimizer if optimizer is not None else _default_optimizer()
     cost_model = cost if cost is not None else network_cost(network, flops_per_s)
     costs = block_costs(model, example_batch)
     batch = _batch_size(example_batch)
     space = list(candidates(world_size, len(costs.blocks), batch, _has_experts(model), tuple(schedules),
-                            tuple(zero_levels)))
+                            tuple(zero_levels), tensor_parallel=bool(tp_plan)))
     search = _Search(model, example_batch, world_size, costs, optimizer, cost_model, memory_mb,
-                     [p for p in CHECKPOINT_POLICIES if p in set(checkpoint)])
+                     [p for p in CHECKPOINT_POLICIES if p in set(checkpoint)], dict(tp_plan or {}))
     for cand in space:
         if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
             search.rejected.append((cand.label(), f"not planned: the search passed time_limit_s={time_limit_s:g}"))
@@ -195,10 +202,10 @@ class _Search:
     """The evaluation of candidates: one captured graph per capture key, one plan per candidate."""
 
     def __init__(self, model: nn.Module, batch: tuple[Any, ...], world: int, costs: BlockCosts, optimizer: Any,
-                 cost: Any, memory_mb: float | None, policies: list[str]) -> None:
-        self.model, self.batch, self.world, self.costs = model, batch, world, costs
+                 cost: Any, memory_mb: float | None, policies: list[str], tp_plan: dict[str, str]) -> None:
+        self.model, self.batch, self.world, self.costs, self.tp_plan = model, batch, world, costs, tp_plan
         self.optimizer, self.cost, self.memory_mb, self.policies = optimizer, cost, memory_mb, policies
-        self.bases: dict[int, tuple[Any, list[tuple[Any, dict[str, Any], int]]]] = {}  # by DP degree
+        self.bases: dict[tuple[int, int], tuple[Any, list[tuple[Any, dict[str, Any], int]]]] = {}  # by (dp, tp)
         self.fits: list[Choice] = []
         self.rejected: list[tuple[str, str]] = []
         self.closest: tuple[float, str] | None = None  # smallest peak seen over the budget
@@ -218,7 +225,7 @@ class _Search:
 
     def floor_mb(self, c: Candidate) -> float:
         """A lower bound of the largest rank's persistent bytes: the average over ranks (experts uncounted)."""
-        if c.ep:
+        if c.ep or c.tp > 1:  # experts and TP pieces: not modelled here
             return 0.0
         total, factor = self.state_floor
         params = total / c.pp / (c.dp if c.zero >= 3 else 1)
@@ -252,7 +259,7 @@ class _Search:
 
         stages = self.costs.split(c.stages)
         try:
-            directives = c.directives()
+            directives = c.directives(self.tp_plan)
             base = self._base(c, stages, directives)
             opts = {"directives": directives, "optimizer": self.optimizer}
             cs = CompiledStep(base.gm, [], opts, world=(0, self.world), sources=base.sources)
@@ -273,18 +280,18 @@ class _Search:
     def _base(self, c: Candidate, stages: tuple[int, ...], directives: list[dict[str, Any]]) -> Any:
         """The captured graph of ``c``'s local batch (captured at the first candidate with it, every block
         tagged with its index), its nodes retagged for ``c``'s stages and checkpoint regions."""
-        if c.dp not in self.bases:
+        if (c.dp, c.tp) not in self.bases:  # TP changes the captured graph (each rank's pieces)
             from piper_compile.api import capture_step
 
             local = tuple(t[: t.shape[0] // c.dp] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
                           for t in self.batch)
             with tagged([(b, {BLOCK_TAG: i}) for i, b in enumerate(self.costs.blocks)]):
-                base = capture_step(self.model, *local, directives=[], world_size=self.world,
-                                    options={"optimizer": self.optimizer})
+                base = capture_step(self.model, *local, directives=directives if c.tp > 1 else [],
+                                    world_size=self.world, options={"optimizer": self.optimizer})
                 base._capture()
             base.state.steps.remove(base)
-            self.bases[c.dp] = (base, _block_nodes(base.joint.gm))
-        base, nodes = self.bases[c.dp]
+            self.bases[(c.dp, c.tp)] = (base, _block_nodes(base.joint.gm))
+        base, nodes = self.bases[(c.dp, c.tp)]
         _retag(nodes, dict(_block_tags(c, stages)))
         return base
 

@@ -29,6 +29,7 @@ class Candidate:
     bucket_mb: float = 25.0
     checkpoint: str = "none"  # one of CHECKPOINT_POLICIES
     ep: bool = False  # expert parallelism over each stage's replicas
+    tp: int = 1  # tensor-parallel degree (the layers of autoplan's ``tp_plan``)
 
     @property
     def stages(self) -> int:
@@ -36,7 +37,13 @@ class Candidate:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
+
+    def replica(self, rank: int) -> int:
+        """Which of the ``dp`` slices of the global batch ``rank`` trains on (a TP group shares one)."""
+        if self.tp == 1:
+            return rank // self.pp
+        return (rank % (self.dp * self.tp)) // self.tp
 
     def label(self) -> str:
         parts = [f"PP{self.pp} {self.schedule}" if self.pp > 1 else "no PP", f"m={self.microbatches}"]
@@ -44,21 +51,34 @@ class Candidate:
             parts.append(f"DP{self.dp} ZeRO-{self.zero}")
         if self.ep:
             parts.append(f"EP{self.dp}")
+        if self.tp > 1:
+            parts.append(f"TP{self.tp}")
         if self.checkpoint != "none":
             parts.append(f"checkpoint {self.checkpoint}")
         return ", ".join(parts)
 
     def group(self, r: int) -> list[int]:
-        """The ranks of pipeline rank ``r`` (its data-parallel replicas)."""
-        return [r + self.pp * i for i in range(self.dp)]
+        """The ranks of pipeline rank ``r`` (its data-parallel replicas; with TP, ``dp`` groups of ``tp``
+        consecutive ranks)."""
+        if self.tp == 1:
+            return [r + self.pp * i for i in range(self.dp)]
+        return [r * self.dp * self.tp + k for k in range(self.dp * self.tp)]
 
-    def directives(self) -> list[dict[str, Any]]:
-        """The strategy as directives (blocks tagged ``PP`` = stage, and ``AC`` = block when checkpointing)."""
+    def tp_groups(self) -> list[list[int]]:
+        return [g[j:j + self.tp] for r in range(self.pp) for g in [self.group(r)] for j in range(0, len(g), self.tp)]
+
+    def directives(self, tp_plan: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """The strategy as directives (blocks tagged ``PP`` = stage, and ``AC`` = block when checkpointing;
+        ``tp_plan``: the ``shard_tensor`` layers, when ``tp`` > 1)."""
         out: list[dict[str, Any]] = [*self._placement(), B.split(self.microbatches), *self._order()]
         if self.dp > 1:
             out.append(B.replicate({STAGE_TAG: "*"} if self.pp > 1 else {}, zero=self.zero, bucket_mb=self.bucket_mb))
         if self.ep:
             out.append(B.shard({"EP": "*"}))
+        if self.tp > 1:
+            if not tp_plan:
+                raise ValueError("piper: internal: a tensor-parallel candidate needs the tp_plan")
+            out.append(B.shard_tensor(tp_plan, devices=self.tp_groups()))
         if self.checkpoint != "none":
             out.append(B.checkpoint({BLOCK_TAG: "*"}, self.checkpoint))
         return out
@@ -88,12 +108,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(world: int, blocks: int, batch: int, has_experts: bool, schedules: tuple[str, ...],
-               zero_levels: tuple[int, ...], microbatch_factors: tuple[int, ...] = (1, 2, 4)) -> Iterator[Candidate]:
+               zero_levels: tuple[int, ...], microbatch_factors: tuple[int, ...] = (1, 2, 4),
+               tensor_parallel: bool = False) -> Iterator[Candidate]:
     """Every valid strategy without checkpointing (``search`` adds policies when memory needs them):
-    ``pp * dp == world``, the global ``batch`` divisible by ``dp``, the local batch by the micro-batch
+    ``pp * dp * tp == world``, the global ``batch`` divisible by ``dp``, the local batch by the micro-batch
     count, at most one stage per block, schedules' micro-batch rules."""
-    for pp in _divisors(world):
-        dp = world // pp
+    for tp in (_divisors(world) if tensor_parallel else [1]):
+        yield from _with_tp(world, tp, blocks, batch, has_experts and tp == 1, schedules, zero_levels,
+                            microbatch_factors)
+
+
+def _with_tp(world: int, tp: int, blocks: int, batch: int, has_experts: bool, schedules: tuple[str, ...],
+             zero_levels: tuple[int, ...], microbatch_factors: tuple[int, ...]) -> Iterator[Candidate]:
+    for pp in _divisors(world // tp):
+        dp = world // tp // pp
         if batch % dp:
             continue
         local = batch // dp
@@ -107,7 +135,7 @@ def candidates(world: int, blocks: int, batch: int, has_experts: bool, schedules
                     continue
                 for zero in (zero_levels if dp > 1 else (0,)):
                     for ep in ((False, True) if has_experts and dp > 1 else (False,)):
-                        yield Candidate(pp, dp, schedule, m, zero, ep=ep)
+                        yield Candidate(pp, dp, schedule, m, zero, ep=ep, tp=tp)
 
 
 def with_checkpoint(c: Candidate, policy: str) -> Candidate:

@@ -188,3 +188,27 @@ def test_profile_measures_this_models_flop_rate_and_autoplan_uses_it():
     assert fast.step_time < slow.step_time / 50
     with pytest.raises(piper.PiperError, match="steps must be >= 1"):
         piper.profile(model, *batch, steps=0)
+
+
+TP_PLAN = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+
+
+def test_tensor_parallel_degrees_are_searched_with_a_tp_plan():
+    """TP changes the capture (each rank's pieces): its candidates capture per (DP, TP) degree, and a TP
+    choice re-plans from scratch to the same DAG."""
+    model, batch = _gpt(layers=2)
+    res = piper.autoplan(model, *batch, world_size=4, top=None, schedules=("1f1b",), zero_levels=(0,),
+                         tp_plan=TP_PLAN)
+    tps = {c.candidate.tp for c in res.ranked}
+    assert tps == {1, 2, 4}, str(res)
+    both = next(c for c in res.ranked if c.candidate.tp == 2 and c.candidate.pp == 2)
+    assert both.candidate.tp_groups() == [[0, 1], [2, 3]] and [both.replica(r) for r in range(4)] == [0, 0, 0, 0]
+    dp_tp = next(c for c in res.ranked if c.candidate.tp == 2 and c.candidate.dp == 2)
+    assert [dp_tp.replica(r) for r in range(4)] == [0, 0, 1, 1]
+    for choice in (both, dp_tp):
+        fresh, _ = _gpt(layers=2)
+        choice.annotate(fresh)
+        local = tuple(t[: t.shape[0] // choice.local_batch_divisor] for t in batch)
+        plan = piper.plan(fresh, *local, directives=choice.directives, world_size=4,
+                          options={"optimizer": torch.optim.AdamW})
+        assert plan.dag.to_text() == choice.dag_text, choice.candidate
