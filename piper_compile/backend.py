@@ -21,7 +21,7 @@ from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, captur
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import (
-    Checkpoint, Replicate, checkpoint_of, filter_matches, microbatch_count, split_backward_filters,
+    Checkpoint, Replicate, activation_window, checkpoint_of, filter_matches, split_backward_filters,
 )
 from piper_compile import metrics
 from piper_compile.memory import check_budget, plan_memory
@@ -209,7 +209,7 @@ class CompiledStep:
         self.segments = {s.name: s for s in extract_segments(self.joint, self._bucket_bytes, split_bw if split else None,
                                                              chunk_fw if zero3 else None, self.options.remat,
                                                              self.graph_timings, checkpoint_of(checkpoints),
-                                                             microbatch_count(self.options.directives))}
+                                                             activation_window(self.options.directives))}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         self.state.adopt_precision(self.options.precision)
         self.state.steps.append(self)

@@ -13,7 +13,9 @@ The rule, per matched region (a pipeline stage, a tagged block):
 * **Kept by the policy**: ``full`` keeps nothing else; ``selective`` keeps matmul and attention outputs
   (``SELECTIVE_SAVE``, torchtitan's op-level rule); ``save`` keeps the outputs of the named aten ops;
   ``budget_mb`` starts from ``full`` and keeps, dearest to recompute per byte first
-  (FLOPs + ``FLOPS_PER_BYTE`` x bytes written), what fits the budget of activations kept per micro-batch.
+  (FLOPs + ``FLOPS_PER_BYTE`` x bytes written), what fits the budget: the activations the directive's
+  regions on one stage keep, each region's per micro-batch times its micro-batches in flight at once
+  (its rank's ``order``: 1F1B's stage s holds p - s; all of them without an order).
 * Everything else the backward reads is recomputed from what is kept.
 
 Each recomputed activation runs once per micro-batch: in the first backward piece of its region that
@@ -33,7 +35,7 @@ from torch import fx
 
 from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.remat import BACKWARD_PASSES, Replay, aliases_input, hint_bytes, op_name
-from piper_compile.directives.spec import Checkpoint
+from piper_compile.directives.spec import ActivationWindow, Checkpoint
 
 SELECTIVE_SAVE = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
@@ -69,6 +71,7 @@ class _Region:
     boundary: Callable[[fx.Node], Any]
     reg: Any
     mb_count: int
+    inflight: int = 1  # micro-batches whose kept activations of this region are alive at once
 
     def forward(self, n: fx.Node) -> bool:
         return n.op == "call_function" and self.passes.get(n.name) == "F" and self.region.get(n.name) == self.reg \
@@ -131,10 +134,38 @@ def _saved_by_policy(d: Checkpoint, n: fx.Node) -> bool:
 
 def plan_checkpoint(joint: JointGraph, region: dict[str, Any], passes: dict[str, str], derived: set[str],
                     boundary: Callable[[fx.Node], Any], policy_of: Callable[[Any], Checkpoint | None],
-                    mb_count: int, keep: frozenset[str] = frozenset()) -> CheckpointPlan:
+                    window: ActivationWindow, keep: frozenset[str] = frozenset()) -> CheckpointPlan:
     """The recomputed values of every region ``policy_of`` gives a checkpoint directive for (never those in
-    ``keep``)."""
+    ``keep``). ``budget_mb`` regions are fitted together per directive and stage (``window.stage``)."""
     plan = CheckpointPlan()
+    regions = _checkpointed(joint, region, passes, policy_of)
+    seen_ops: set[str] = set()
+    budgeted: dict[tuple[int, Any], list[_Choice]] = {}
+    for reg, d in regions.items():
+        r = _Region(joint, region, passes, derived, boundary, reg, window.microbatches, window.inflight(dict(reg)))
+        nodes = r.nodes()
+        seen_ops.update(op_name(n) for n in nodes)
+        replay = {n.name: rp for n in nodes if (rp := r.replay(n)) is not None}
+        recompute = {n.name for n in nodes if (r.eligible(n) or n.name in replay) and not _saved_by_policy(d, n)
+                     and n.name not in keep}
+        recompute -= {n.name for n in nodes if n.target is operator.getitem and n.name not in replay
+                      and n.args[0].name not in recompute}  # a part of a kept tuple is kept
+        choice = _Choice(r, nodes, recompute, replay)
+        if d.policy == "budget":
+            budgeted.setdefault((d.index, window.stage(dict(reg))), []).append(choice)
+        else:
+            choice.commit(plan)
+    for (_, stage), choices in budgeted.items():
+        _fit_budget(regions[choices[0].r.reg], stage, choices)
+        for choice in choices:
+            choice.commit(plan)
+    _check_save_names(regions.values(), seen_ops)
+    return plan
+
+
+def _checkpointed(joint: JointGraph, region: dict[str, Any], passes: dict[str, str],
+                  policy_of: Callable[[Any], Checkpoint | None]) -> dict[Any, Checkpoint]:
+    """The forward regions a checkpoint directive matches, in graph order, with it."""
     regions: dict[Any, Checkpoint] = {}
     for n in joint.gm.graph.nodes:
         reg = region.get(n.name)
@@ -145,25 +176,28 @@ def plan_checkpoint(joint: JointGraph, region: dict[str, Any], passes: dict[str,
     if len({region.get(n.name) for n in joint.gm.graph.nodes if passes.get(n.name) == "F"}) == 1:
         for d in regions.values():
             _warn_whole_forward(d)
-    seen_ops: set[str] = set()
-    for reg, d in regions.items():
-        r = _Region(joint, region, passes, derived, boundary, reg, mb_count)
-        nodes = r.nodes()
-        seen_ops.update(op_name(n) for n in nodes)
-        replay = {n.name: rp for n in nodes if (rp := r.replay(n)) is not None}
-        recompute = {n.name for n in nodes if (r.eligible(n) or n.name in replay) and not _saved_by_policy(d, n)
-                     and n.name not in keep}
-        recompute -= {n.name for n in nodes if n.target is operator.getitem and n.name not in replay
-                      and n.args[0].name not in recompute}  # a part of a kept tuple is kept
-        replay = {k: v for k, v in replay.items() if k in recompute}
-        if d.policy == "budget":
-            recompute = _fit_budget(r, d, nodes, recompute, replay)
-            replay = {k: v for k, v in replay.items() if k in recompute}
-        plan.nodes |= recompute
+    return regions
+
+
+@dataclass
+class _Choice:
+    """What one region recomputes (and replays) as the policy is applied."""
+
+    r: _Region
+    nodes: list[fx.Node]
+    recompute: set[str]
+    replay: dict[str, Replay]
+
+    def kept(self, recompute: set[str] | None = None) -> int:
+        """Bytes kept for the backward while the region's micro-batches in flight are alive."""
+        rec = self.recompute if recompute is None else recompute
+        return _kept_bytes(self.r, rec, {k: v for k, v in self.replay.items() if k in rec}) * self.r.inflight
+
+    def commit(self, plan: CheckpointPlan) -> None:
+        replay = {k: v for k, v in self.replay.items() if k in self.recompute}
+        plan.nodes |= self.recompute
         plan.replay.update(replay)
-        plan.kept_bytes[reg] = _kept_bytes(r, recompute, replay)
-    _check_save_names(regions.values(), seen_ops)
-    return plan
+        plan.kept_bytes[self.r.reg] = _kept_bytes(self.r, self.recompute, replay)
 
 
 def _warn_whole_forward(d: Checkpoint) -> None:
@@ -210,32 +244,35 @@ def _root(n: fx.Node) -> fx.Node:
     return n
 
 
-def _fit_budget(r: _Region, d: Checkpoint, nodes: list[fx.Node], recompute: set[str],
-                replay: dict[str, Replay]) -> set[str]:
-    """``budget_mb``: from ``full``, keep the values dearest to recompute per byte while the kept
-    activations per micro-batch stay within the budget."""
+def _fit_budget(d: Checkpoint, stage: Any, choices: list[_Choice]) -> None:
+    """``budget_mb``: from ``full``, keep the values dearest to recompute per byte, over all of the
+    directive's regions on one stage, while their kept activations -- each region's per micro-batch times
+    its micro-batches in flight -- stay within the budget."""
     from piper_compile.sim.cost import node_bytes, node_flops  # the one home of FLOP counting
 
     budget = float(d.budget_mb or 0) * 2 ** 20
-    floor = _kept_bytes(r, recompute, replay)
-    if floor > budget:
-        raise d.error(f"region {dict(r.reg)} keeps {floor / 2 ** 20:.3g} MB of activations per micro-batch even when "
-                      f"everything else is recomputed (its inputs, random masks, values other regions read), above "
+    kept = [c.kept() for c in choices]
+    if sum(kept) > budget:
+        where = f"on devices {list(stage)}" if stage is not None else "of the step"
+        raise d.error(f"the checkpointed regions {[dict(c.r.reg) for c in choices]} {where} keep "
+                      f"{sum(kept) / 2 ** 20:.3g} MB of activations (per micro-batch times the "
+                      f"{max(c.r.inflight for c in choices)} in flight at most) even when everything else is "
+                      f"recomputed (their inputs, random masks, values other regions read), above "
                       f"budget_mb={d.budget_mb}", "raise budget_mb, or split the batch into more micro-batches")
-
-    syms = _hints(r.joint)
+    syms = _hints(choices[0].r.joint)
 
     def dearness(n: fx.Node) -> float:
         return (node_flops(n, syms) + FLOPS_PER_BYTE * node_bytes(n, syms)) / max(hint_bytes(n), 1)
 
-    candidates = sorted((n for n in nodes if n.name in recompute and not aliases_input(n)
-                         and n.target is not operator.getitem and hint_bytes(n) > 0), key=dearness, reverse=True)
-    out = set(recompute)
-    for n in candidates:
-        trial = out - {n.name} - {u.name for u in n.users if u.target is operator.getitem}
-        if _kept_bytes(r, trial, replay) <= budget:
-            out = trial
-    return out
+    candidates = sorted(((dearness(n), i, n) for i, c in enumerate(choices) for n in c.nodes
+                         if n.name in c.recompute and not aliases_input(n) and n.target is not operator.getitem
+                         and hint_bytes(n) > 0), key=lambda t: t[0], reverse=True)
+    for _, i, n in candidates:
+        c = choices[i]
+        trial = c.recompute - {n.name} - {u.name for u in n.users if u.target is operator.getitem}
+        after = c.kept(trial)
+        if sum(kept) - kept[i] + after <= budget:
+            c.recompute, kept[i] = trial, after
 
 
 def replay_inputs(n: fx.Node, rp: Replay) -> list[fx.Node]:

@@ -29,7 +29,7 @@ from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region, assign_regions, boundary_kind, param_derived
 from piper_compile.capture.checkpointing import demote_zero3, owners, plan_checkpoint
 from piper_compile.capture.remat import NO_REMAT, RematPlan, plan_remat
-from piper_compile.directives.spec import Checkpoint
+from piper_compile.directives.spec import ActivationWindow, Checkpoint
 
 Key = tuple[str, Region, int]  # (pass, region, chunk index or -1)
 
@@ -45,7 +45,7 @@ class Cuts:
     remat: bool = True
     defer_forward_only: bool = False
     checkpoint: Callable[[Region], Checkpoint | None] | None = None  # the checkpoint directive of a region
-    microbatches: int = 1
+    window: ActivationWindow = field(default_factory=ActivationWindow)  # micro-batches alive per region, stages
     region: dict[str, Region] = field(default_factory=dict)  # node -> region
     passes: dict[str, str] = field(default_factory=dict)  # node -> F/B
     derived: set[str] = field(default_factory=set)  # parameter-only nodes (recomputed where read)
@@ -140,7 +140,7 @@ def checkpoint_pass(cuts: Cuts) -> None:
     keep: frozenset[str] = frozenset()
     while True:  # a value kept under ZeRO-3 changes what the others need: plan again until none is
         plan = plan_checkpoint(joint, cuts.region, cuts.passes, cuts.derived, boundary_kind, cuts.checkpoint,
-                               cuts.microbatches, keep)
+                               cuts.window, keep)
         handover = plan.handover(joint)
         owner, computes = owners(cuts.keyed, plan.nodes, handover, position, plan.replay)
         bad = demote_zero3(computes, nodes, lambda n: _param_roots(n, cuts.derived, joint), cuts.bucket_of,

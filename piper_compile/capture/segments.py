@@ -15,7 +15,7 @@ from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region, RegionCycleError, boundary_kind, region_label
 from piper_compile.capture.checkpointing import replay_inputs
 from piper_compile.capture.remat import HANDOVER_SUFFIX, RematPlan
-from piper_compile.directives.spec import Checkpoint
+from piper_compile.directives.spec import ActivationWindow, Checkpoint
 
 
 
@@ -69,7 +69,7 @@ def extract_segments(joint: JointGraph, bucket_bytes: BucketBytes = None,
                      chunk_fw: Callable[[Region], bool] | None = None, remat: bool = True,
                      timings: dict[str, float] | None = None,
                      checkpoint: Callable[[Region], Checkpoint | None] | None = None,
-                     microbatches: int = 1) -> list[Segment]:
+                     window: ActivationWindow | None = None) -> list[Segment]:
     """Cut the joint graph into segments: one per region and pass; the backward of regions for which
     ``split_bw`` holds is cut into BI and BW; backward (or BW) segments are further cut into
     bucket-sized chunks when ``bucket_bytes`` is given (one size, or a region's own: its ``replicate``
@@ -79,9 +79,10 @@ def extract_segments(joint: JointGraph, bucket_bytes: BucketBytes = None,
     anyway (``capture/remat.py``). The cuts are the segment passes' (``capture/cut_passes.py``); this
     builds one segment per piece and checks the segment graph is acyclic. ``timings`` (if given) gets
     the seconds of each segment pass. ``checkpoint`` gives a region's checkpoint directive (or None);
-    ``microbatches`` is the step's micro-batch count (a ``budget_mb`` policy counts per micro-batch)."""
+    ``window`` says how many micro-batches of each region's activations are alive at once and where it
+    is placed (a ``budget_mb`` policy budgets each stage's kept activations over them)."""
     timings = timings if timings is not None else {}
-    extra: dict[str, Any] = {"timings": timings, "checkpoint": checkpoint, "microbatches": microbatches}
+    extra: dict[str, Any] = {"timings": timings, "checkpoint": checkpoint, "window": window or ActivationWindow()}
     try:
         return _extract(Cuts(joint, bucket_bytes, split_bw, chunk_fw, remat, False, **extra))
     except RegionCycleError as first:  # e.g. RMSNorm backward's pow(rsqrt, 3) joined a forward region

@@ -73,8 +73,9 @@ def checkpoint(filter: Filter | None = None, policy: str | dict[str, Any] = "ful
     """Activation checkpointing of the matched regions: their forward values are recomputed in the backward
     instead of kept from the forward. ``policy``: ``"full"`` keeps only each region's inputs;
     ``"selective"`` also keeps matmul and attention outputs (recomputes norms, activations, residuals);
-    ``{"save": [aten op names]}`` keeps those ops' outputs; ``{"budget_mb": N}`` keeps, per region and
-    micro-batch, the values that are dearest to recompute per byte, within N MB. Random ops are never run
+    ``{"save": [aten op names]}`` keeps those ops' outputs; ``{"budget_mb": N}`` keeps the values that are dearest to
+    recompute per byte while the matched regions of one stage keep at most N MB (per micro-batch times the
+    micro-batches in flight on that stage). Random ops are never run
     again: dropout's backward replays the mask the forward drew."""
     return {"op": "checkpoint", "filter": dict(filter or {}), "policy": policy}
 

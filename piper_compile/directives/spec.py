@@ -459,3 +459,40 @@ def checkpoint_of(directives: list[Checkpoint]) -> Callable[[Any], Checkpoint | 
 def microbatch_count(directives: Iterable[Directive]) -> int:
     """The step's micro-batch count (1 without a split directive)."""
     return max((d.num_microbatches for d in directives if isinstance(d, Split)), default=1)
+
+
+@dataclass(frozen=True)
+class ActivationWindow:
+    """What a region's activations live through, from the directives: the step's micro-batch count, how
+    many micro-batches' activations of the region are alive at once (forwards run minus backwards run,
+    at most, along its rank's ``order``; every micro-batch without an order) and the device group it is
+    placed on (regions of one stage share it). The ``budget_mb`` checkpoint policy budgets per stage."""
+
+    microbatches: int = 1
+    orders: tuple[Order, ...] = ()
+    places: tuple[Place, ...] = ()
+    mb_tags: frozenset[str] = frozenset({"MB"})
+
+    def inflight(self, region: dict[str, Any]) -> int:
+        peak = 0
+        for d in self.orders:
+            alive = top = 0
+            for group in d.filters:
+                for f in sorted(group, key=lambda f: f.get("PASS") != "F"):  # an overlap slot: F first (worst)
+                    if not filter_matches({k: v for k, v in f.items() if k != "PASS" and k not in self.mb_tags},
+                                          region):
+                        continue
+                    alive += 1 if f.get("PASS") == "F" else -1 if f.get("PASS") in ("B", "BI") else 0
+                    top = max(top, alive)
+            peak = max(peak, top)
+        return min(peak, self.microbatches) if peak else self.microbatches
+
+    def stage(self, region: dict[str, Any]) -> tuple[int, ...] | None:
+        return next((d.devices for d in self.places if filter_matches(d.filter, region)), None)
+
+
+def activation_window(directives: Iterable[Directive]) -> ActivationWindow:
+    directives = list(directives)
+    return ActivationWindow(microbatch_count(directives), tuple(d for d in directives if isinstance(d, Order)),
+                            tuple(d for d in directives if isinstance(d, Place)),
+                            frozenset({"MB"} | {d.dim_name for d in directives if isinstance(d, Split)}))

@@ -65,9 +65,39 @@ def test_budget_keeps_within_the_budget_and_more_with_more(mb: float):
 
 def test_budget_below_what_must_be_kept_is_an_error():
     """The second stage keeps its input (the first stage's output) whatever it recomputes."""
-    with pytest.raises(PiperDirectiveError, match=r"region \{'PP': 1\} keeps 0.00391 MB of activations per "
-                                                  r"micro-batch.*above budget_mb=0.001"):
+    with pytest.raises(PiperDirectiveError, match=r"regions \[\{'PP': 1\}\] on devices \[1\] keep 0.00391 MB of "
+                                                  r"activations \(per micro-batch times the 1 in flight.*above "
+                                                  r"budget_mb=0.001"):
         _two_stage(piper.schedules.one_f_one_b(2, 2), {"budget_mb": 0.001})
+
+
+def test_micro_batches_in_flight_come_from_each_ranks_order():
+    from piper_compile.directives.spec import activation_window, parse_directives
+
+    def window(*dirs: object) -> object:
+        return activation_window(parse_directives([*piper.pipeline(2), piper.split(4), *dirs]))
+
+    one_f_one_b, gpipe, none = (window(*piper.schedules.one_f_one_b(2, 4)), window(*piper.schedules.gpipe(2, 4)),
+                                window())
+    assert [one_f_one_b.inflight({"PP": s}) for s in (0, 1)] == [2, 1]  # 1F1B: p - s
+    assert [gpipe.inflight({"PP": s}) for s in (0, 1)] == [4, 4] == [none.inflight({"PP": s}) for s in (0, 1)]
+    assert one_f_one_b.stage({"PP": 1, "AC": 3}) == (1,) and window().stage({"EP": 0}) is None
+
+
+@pytest.mark.slow
+def test_budget_is_per_stage_over_the_micro_batches_in_flight():
+    """1F1B holds 2 micro-batches on stage 0 and 1 on stage 1; GPipe 2 on both: with one budget, stage 1 keeps
+    more per micro-batch under 1F1B, and every stage's kept bytes over its micro-batches in flight fit."""
+    mb = 0.03
+    plans = {name: _two_stage(sched(2, 2), {"budget_mb": mb})
+             for name, sched in (("1f1b", piper.schedules.one_f_one_b), ("gpipe", piper.schedules.gpipe))}
+    inflight = {"1f1b": (2, 1), "gpipe": (2, 2)}
+    for name, p in plans.items():
+        for stage in (0, 1):
+            per_mb = _kept_elements(p, stage) * 4 / 2  # fp32, 2 micro-batches
+            assert per_mb * inflight[name][stage] <= mb * 2 ** 20, (name, stage, per_mb)
+    assert _kept_elements(plans["1f1b"], 1) > _kept_elements(plans["gpipe"], 1)
+    assert _kept_elements(plans["1f1b"], 0) == _kept_elements(plans["gpipe"], 0)
 
 
 @pytest.mark.parametrize("policy", ["full", *(pytest.param(p, marks=pytest.mark.slow)

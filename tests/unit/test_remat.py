@@ -35,9 +35,11 @@ def _numel(node: torch.fx.Node) -> int:
     return out
 
 
-def _kept_elements(p: piper.StaticPlan) -> int:
-    """Elements forward segments hand to backward segments (the activations kept between them)."""
-    readers = {v for s in p.segments.values() if s.pass_ != "F" for v in s.inputs}
+def _kept_elements(p: piper.StaticPlan, stage: int | None = None) -> int:
+    """Elements forward segments hand to backward segments (of pipeline stage ``stage``, or all): the
+    activations kept between them, over the whole local batch."""
+    readers = {v for s in p.segments.values() if s.pass_ != "F" and (stage is None or dict(s.region).get("PP") == stage)
+               for v in s.inputs}
     total = 0
     for s in p.segments.values():
         if s.pass_ == "F":
