@@ -101,7 +101,7 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
              cost: Any = None, optimizer: Any = None, top: int = 5,
              schedules: Iterable[str] = tuple(SCHEDULES), zero_levels: Iterable[int] = (0, 1, 2, 3),
              checkpoint: Iterable[str] = CHECKPOINT_POLICIES, tp_plan: dict[str, str] | None = None,
-             time_limit_s: float | None = None) -> AutoPlan:
+             options: dict[str, Any] | None = None, time_limit_s: float | None = None) -> AutoPlan:
     """Search the strategies piper can build for ``model`` on ``world_size`` ranks and rank them.
 
     ``example_batch``: one *global* batch (dim 0 is split over data-parallel replicas and micro-batches).
@@ -110,7 +110,8 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
     ``flops_per_s``: the device's compute rate; ``cost``: any ``sim`` cost model instead of both.
     ``optimizer``: counted in memory (default AdamW; ZeRO needs one). ``tp_plan``: the model's
     tensor-parallel layers as ``shard_tensor`` takes them (``{"blocks.*.qkv": "colwise:3", ...}``); with it,
-    TP degrees are searched too. Returns ``top`` choices (all that fit if ``top`` is None); a budget
+    TP degrees are searched too. ``options``: more ``piper.compile`` options every candidate is planned with
+    (e.g. ``mixed_precision``). Returns ``top`` choices (all that fit if ``top`` is None); a budget
     nothing fits is a ``piper:`` error naming the closest strategy."""
     t0 = time.perf_counter()
     optimizer = optimizer if optimizer is not None else _default_optimizer()
@@ -119,8 +120,9 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
     batch = _batch_size(example_batch)
     space = list(candidates(world_size, len(costs.blocks), batch, _has_experts(model), tuple(schedules),
                             tuple(zero_levels), tensor_parallel=bool(tp_plan)))
-    search = _Search(model, example_batch, world_size, costs, optimizer, cost_model, memory_mb,
-                     [p for p in CHECKPOINT_POLICIES if p in set(checkpoint)], dict(tp_plan or {}))
+    search = _Search(model, example_batch, world_size, costs, {**(options or {}), "optimizer": optimizer},
+                     cost_model, memory_mb, [p for p in CHECKPOINT_POLICIES if p in set(checkpoint)],
+                     dict(tp_plan or {}))
     for cand in space:
         if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
             search.rejected.append((cand.label(), f"not planned: the search passed time_limit_s={time_limit_s:g}"))
@@ -201,10 +203,12 @@ def _retag(nodes: list[tuple[Any, dict[str, Any], int]], tags: dict[int, dict[st
 class _Search:
     """The evaluation of candidates: one captured graph per capture key, one plan per candidate."""
 
-    def __init__(self, model: nn.Module, batch: tuple[Any, ...], world: int, costs: BlockCosts, optimizer: Any,
-                 cost: Any, memory_mb: float | None, policies: list[str], tp_plan: dict[str, str]) -> None:
+    def __init__(self, model: nn.Module, batch: tuple[Any, ...], world: int, costs: BlockCosts,
+                 options: dict[str, Any], cost: Any, memory_mb: float | None, policies: list[str],
+                 tp_plan: dict[str, str]) -> None:
         self.model, self.batch, self.world, self.costs, self.tp_plan = model, batch, world, costs, tp_plan
-        self.optimizer, self.cost, self.memory_mb, self.policies = optimizer, cost, memory_mb, policies
+        self.options, self.optimizer = {k: v for k, v in options.items() if k != "directives"}, options["optimizer"]
+        self.cost, self.memory_mb, self.policies = cost, memory_mb, policies
         self.bases: dict[tuple[int, int], tuple[Any, list[tuple[Any, dict[str, Any], int]]]] = {}  # by (dp, tp)
         self.fits: list[Choice] = []
         self.rejected: list[tuple[str, str]] = []
@@ -261,7 +265,7 @@ class _Search:
         try:
             directives = c.directives(self.tp_plan)
             base = self._base(c, stages, directives)
-            opts = {"directives": directives, "optimizer": self.optimizer}
+            opts = {**self.options, "directives": directives}
             cs = CompiledStep(base.gm, [], opts, world=(0, self.world), sources=base.sources)
             cs.share_capture(base)
             dag, programs = cs.build(False)
@@ -287,7 +291,7 @@ class _Search:
                           for t in self.batch)
             with tagged([(b, {BLOCK_TAG: i}) for i, b in enumerate(self.costs.blocks)]):
                 base = capture_step(self.model, *local, directives=directives if c.tp > 1 else [],
-                                    world_size=self.world, options={"optimizer": self.optimizer})
+                                    world_size=self.world, options=self.options)
                 base._capture()
             base.state.steps.remove(base)
             self.bases[(c.dp, c.tp)] = (base, _block_nodes(base.joint.gm))

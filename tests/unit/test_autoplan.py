@@ -212,3 +212,11 @@ def test_tensor_parallel_degrees_are_searched_with_a_tp_plan():
         plan = piper.plan(fresh, *local, directives=choice.directives, world_size=4,
                           options={"optimizer": torch.optim.AdamW})
         assert plan.dag.to_text() == choice.dag_text, choice.candidate
+
+
+def test_options_such_as_mixed_precision_reach_every_candidate():
+    model, batch = _gpt(layers=2)
+    fp32 = piper.autoplan(model, *batch, world_size=1, top=1)
+    bf16 = piper.autoplan(model, *batch, world_size=1, top=1, options={"mixed_precision": {"param_dtype": "bf16"}})
+    assert "precision" in bf16.best.dag_text and "precision" not in fp32.best.dag_text
+    assert bf16.best.max_peak_mb != fp32.best.max_peak_mb
