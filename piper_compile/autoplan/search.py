@@ -218,13 +218,11 @@ class _Search:
         self.state_floor = self._state_floor()
 
     def _state_floor(self) -> tuple[int, int]:
+        """Bytes of the trained parameters (``parameters()`` yields a tied weight once) and the optimizer's
+        state tensors per parameter element."""
         from piper_compile.memory import optimizer_state_factor
 
-        seen, total = set(), 0
-        for p in self.model.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         return total, optimizer_state_factor(self.optimizer)
 
     def floor_mb(self, c: Candidate) -> float:

@@ -117,13 +117,17 @@ def culprit_op(exc: BaseException) -> str | None:
     return found.group(0) if found else None
 
 
+def _packet(name: str) -> str:
+    """``aten.tanh.default`` -> ``aten.tanh`` (any overload of the op); other names as they are."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("aten", "prims") and len(parts) == 3 else name
+
+
 def source_of(gm: fx.GraphModule, op: str) -> str | None:
     """``file:line in function: code`` of the user's source of the first node of ``gm`` running ``op``
     (an overload name like ``aten.tanh.default`` or a packet like ``aten.tanh``)."""
     for node in gm.graph.nodes:
-        target = str(node.target)
-        if node.op == "call_function" and (target == op or target.startswith(op + ".") or op.startswith(target + ".")
-                                            or target.rsplit(".", 1)[0] == op.rsplit(".", 1)[0]):
+        if node.op == "call_function" and _packet(str(node.target)) == _packet(op):
             frames = _FRAME.findall(node.meta.get("stack_trace") or "")
             if frames:
                 path, line, fn, code = frames[-1]
