@@ -64,12 +64,13 @@ from piper_compile.checkpoint import (  # noqa: E402
 )
 from piper_compile.directives import checkpoint, order, pipeline, place, replicate, shard, shard_tensor, split  # noqa: E402
 from piper_compile.memory import memory_report  # noqa: E402
+from piper_compile.init.replay import materialize  # noqa: E402
 from piper_compile.autoplan import autoplan, profile  # noqa: E402
 from piper_compile.metrics import StepMetrics, stats  # noqa: E402
 from piper_compile.runtime.consistency import local  # noqa: E402
 from piper_compile.errors import PiperCaptureError, PiperDirectiveError, PiperError, PiperPlanError, PiperRuntimeError  # noqa: E402
 
-__all__ = ["autoplan", "profile", "checkpoint", "StaticPlan", "StepMetrics", "stats", "compile", "plan", "trained_parameters", "memory_report", "PiperCaptureError", "PiperDirectiveError", "PiperError", "PiperPlanError", "PiperRuntimeError", "annotate",
+__all__ = ["autoplan", "materialize", "profile", "checkpoint", "StaticPlan", "StepMetrics", "stats", "compile", "plan", "trained_parameters", "memory_report", "PiperCaptureError", "PiperDirectiveError", "PiperError", "PiperPlanError", "PiperRuntimeError", "annotate",
            "compiled_steps", "explain", "last_stats", "local", "loss_scaler", "optimizer", "order", "piper_backend", "pipeline", "place",
            "replicate", "schedules", "shard", "shard_tensor", "split", "full_state_dict", "load", "load_full_state_dict",
            "materialize_optimizer_state", "save", "sharded_state_dict", "CheckpointIncomplete", "LoadResult"]

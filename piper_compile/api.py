@@ -150,8 +150,11 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
                                   f"world_size must be a whole number of ranks, at least 1; got {world_size!r}",
                                   "pass world_size=N, the number of processes the plan is for (for a pipeline "
                                   "of S stages replicated D times, S * D)")
-    cs = capture_step(model, *example_args, directives=directives, world_size=world_size, options=options)
-    return StaticPlan(*cs.build(forward_only), cs.segments, cs.options.optimizer)
+    from piper_compile.init.deferred import planning
+
+    with planning(model, example_args):  # a model built on the meta device: stand-ins while planning
+        cs = capture_step(model, *example_args, directives=directives, world_size=world_size, options=options)
+        return StaticPlan(*cs.build(forward_only), cs.segments, cs.options.optimizer)
 
 
 def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_size: int,

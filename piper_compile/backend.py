@@ -211,6 +211,8 @@ class CompiledStep:
                                                              self.graph_timings, checkpoint_of(checkpoints),
                                                              activation_window(self.options.directives))}
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
+        if self.link is not None and self.link.deferred is not None:
+            self.state.deferred = self.link.deferred
         self.state.adopt_precision(self.options.precision)
         self.state.steps.append(self)
 
@@ -399,9 +401,7 @@ class CompiledStep:
             check.resolve()  # before this call creates process groups, broadcasts or loads anything
         plan = self.plan(forward_only=not train)
         if not self.state.broadcast_done:
-            tensors = [self.joint.params[f] for f in sorted(self.joint.params)]
-            tensors += [self.joint.buffers[f] for f in sorted(self.joint.buffers)]
-            self.state.broadcast_from_rank0(tensors)
+            self._first_values()
         self.state.shard()
         _check_resident(plan.reads, self.state, self.rank, "training program" if train else "forward-only program")
         self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
@@ -410,6 +410,21 @@ class CompiledStep:
             self._log_stats()
             loss = _NoopBackward.apply(loss, _ANCHOR)
         return (loss,)
+
+    def _first_values(self) -> None:
+        """Every replica starts from the same weights: rank 0's, broadcast; or, for a model built on the
+        meta device, each rank's own pieces initialized (``init/deferred.py``) and only its real
+        tensors broadcast."""
+        assert self.state is not None and self.joint is not None
+        tensors = [self.joint.params[f] for f in sorted(self.joint.params)]
+        tensors += [self.joint.buffers[f] for f in sorted(self.joint.buffers)]
+        deferred = self.state.deferred
+        if deferred is not None:
+            from piper_compile.init.deferred import materialize_state
+
+            materialize_state(self.state, self.joint.buffers, deferred)
+            tensors = [t for t in tensors if deferred.key(t) is None]
+        self.state.broadcast_from_rank0(tensors)
 
     def _log_stats(self) -> None:
         """``options["log_stats"] = N``: ``piper.stats``'s line at INFO every N training steps."""

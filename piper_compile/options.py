@@ -13,11 +13,12 @@ import torch
 from piper_compile.directives.spec import Directive, Replicate, parse_directives
 from piper_compile.errors import PiperError
 from piper_compile.knobs import KNOBS, knob
+from piper_compile.init.deferred import InitChoice
 from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
                          "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling", "log_stats",
-                         "memory_budget_mb"})
+                         "memory_budget_mb", "init", "init_seed"})
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Options:
     precision: Precision = Precision()  # options["mixed_precision"] (precision.py)
     log_stats: int = 0  # log piper.stats's line at INFO every N training steps (metrics.py); 0: never
     memory_budget_mb: float | None = None  # reject a plan whose predicted per-rank peak exceeds it (memory.py)
+    init: Any = None  # options["init"] / ["init_seed"] for models built on the meta device (init/deferred.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -56,7 +58,7 @@ class Options:
                          "two streams"),
                    _window(options), Precision.parse(options.get("mixed_precision"), opt is not None,
                                                     options.get("loss_scaling")), _every(options),
-                   _budget(options.get("memory_budget_mb")))
+                   _budget(options.get("memory_budget_mb")), InitChoice.parse(options))
 
 
 def _optimizer(opt: Any) -> Callable[..., torch.optim.Optimizer] | None:

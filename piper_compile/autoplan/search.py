@@ -113,6 +113,17 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
     TP degrees are searched too. ``options``: more ``piper.compile`` options every candidate is planned with
     (e.g. ``mixed_precision``). Returns ``top`` choices (all that fit if ``top`` is None); a budget
     nothing fits is a ``piper:`` error naming the closest strategy."""
+    from piper_compile.init.deferred import planning
+
+    with planning(model, example_batch):  # a model built on the meta device: stand-ins while planning
+        return _autoplan(model, example_batch, world_size, memory_mb, network, flops_per_s, cost, optimizer, top,
+                         schedules, zero_levels, checkpoint, tp_plan, options, time_limit_s)
+
+
+def _autoplan(model: nn.Module, example_batch: tuple[Any, ...], world_size: int, memory_mb: float | None,
+              network: Any, flops_per_s: float, cost: Any, optimizer: Any, top: int, schedules: Iterable[str],
+              zero_levels: Iterable[int], checkpoint: Iterable[str], tp_plan: dict[str, str] | None,
+              options: dict[str, Any] | None, time_limit_s: float | None) -> AutoPlan:
     t0 = time.perf_counter()
     optimizer = optimizer if optimizer is not None else _default_optimizer()
     cost_model = cost if cost is not None else network_cost(network, flops_per_s)

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from piper_compile.capture.annotate import _ModuleAnnotation, annotate
@@ -70,6 +70,8 @@ def block_costs(model: nn.Module, example: tuple[Any, ...]) -> BlockCosts:
     names = [f"{path}.{i}" for i in range(len(blocks))]
     counter = FlopCounterMode(display=False)
     fake = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
+    if fake is None and any(p.untyped_storage().nbytes() == 0 < p.numel() for p in model.parameters()):
+        fake = FakeTensorMode(allow_non_fake_inputs=True)  # a meta model's storage-less stand-ins
     with fake if fake is not None else contextlib.nullcontext(), counter:  # a model of fake parameters
         loss = model(*example)
         params = [p for p in model.parameters() if p.requires_grad]

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from piper_compile.capture.dynamo import Traced, trace
 from piper_compile.errors import PiperCaptureError
 from piper_compile.precision import Precision
+from piper_compile.runtime.zero import no_storage
 
 
 @contextlib.contextmanager
@@ -31,7 +32,9 @@ def parameters_in(module: nn.Module, precision: Precision) -> Iterator[None]:
             for p in module.parameters():
                 if p.is_floating_point() and precision.compute(p) != p.dtype:
                     saved.append((p, p.data))
-                    p.data = p.data.to(precision.compute(p))
+                    dtype = precision.compute(p)
+                    empty = p.untyped_storage().nbytes() == 0  # released, or a meta model's stand-in
+                    p.data = no_storage(tuple(p.shape), dtype, p.device) if empty else p.data.to(dtype)
         yield
     finally:
         for p, data in saved:

@@ -98,6 +98,11 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The experts' weights ~ N(0, 1 / fan_in) (the router, a Linear, resets itself)."""
+        dim, hidden = self.w_gate.shape[1], self.w_gate.shape[2]
         for w, fan_in in ((self.w_gate, dim), (self.w_up, dim), (self.w_down, hidden)):
             nn.init.normal_(w, std=1.0 / math.sqrt(fan_in))
 

@@ -33,14 +33,21 @@ class ModelLink:
         self.options = options
         self.call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.handle: Any = None  # the forward pre-hook recording the first call
+        self.deferred: Any = None  # a model built on the meta device: its init (init/deferred.Deferred)
 
     def module(self) -> nn.Module | None:
         return self._module()
 
     def record(self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook on the compiled module (outside Dynamo's trace): keep the first call's arguments."""
+        """Forward pre-hook on the compiled module (outside Dynamo's trace): keep the first call's arguments;
+        a model built on the meta device gets storage-less stand-ins on the batch's device first."""
         if self.call is None:
             self.call = (args, kwargs)
+            module = self.module()
+            if module is not None and self.deferred is None:
+                from piper_compile.init.deferred import defer
+
+                self.deferred = defer(module, _device_of(args, kwargs), self.options)
 
     def captured(self) -> None:
         """The step is captured: drop the first batch and the hook."""
@@ -48,6 +55,11 @@ class ModelLink:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """The device of the call's first tensor argument (CPU without one)."""
+    return next((a.device for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
 
 _LINKS: "weakref.WeakValueDictionary[int, ModelLink]" = weakref.WeakValueDictionary()

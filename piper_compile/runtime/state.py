@@ -57,6 +57,7 @@ class TrainState:
         self._copies: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}  # fqn -> (source version, copy)
         self.updates = 0  # optimizer steps so far (a compute copy made before the last one is stale)
         self.scaler: LossScaler | None = None  # fp16: dynamic loss scaling (runtime/loss_scale.py)
+        self.deferred: Any = None  # a model built on the meta device: its init (init/deferred.Deferred)
 
     def adopt_precision(self, precision: Precision) -> None:
         """The mixed-precision policy this model trains with (every compiled variant must agree)."""
@@ -177,7 +178,12 @@ class TrainState:
                 self._rewire_optimizer(self.optimizer)
         if self.zero is None or self.zero.sharded:
             return
-        self.zero.shard_({**self.named, **self.local_params()})  # tensor-parallel pieces become views too
+        fill = None
+        if self.deferred is not None:
+            from piper_compile.init.deferred import zero_fill
+
+            fill = zero_fill(self, self.deferred)
+        self.zero.shard_({**self.named, **self.local_params()}, fill)  # tensor-parallel pieces become views too
         if self.optimizer is not None:
             self._rewire_optimizer(self.optimizer)
 

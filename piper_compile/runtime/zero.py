@@ -7,7 +7,7 @@ the runtime all-gathers a bucket into a temporary buffer for each compute step t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from piper_compile.ir.ops import ParamGather
 from piper_compile.plan.program import Program
 
 Layout = dict[str, tuple[tuple[str, ...], tuple[int, ...], int, str]]  # bucket -> (fqns, devices, level, stream)
+Fill = Callable[[str, int, torch.Tensor], None]  # (fqn, start in the flattened parameter, 1-D destination)
 
 from piper_compile.runtime.comm import all_gather
 
@@ -116,12 +117,17 @@ class ZeroState:
                                            compute_dtype=compute_dtype if ps[0].is_floating_point() else None)
         return st
 
-    def shard_(self, params: dict[str, nn.Parameter]) -> None:
-        """Move the (already identical) parameters into the sharded layout; once."""
+    def shard_(self, params: dict[str, nn.Parameter], fill: Fill | None = None) -> None:
+        """Move the (already identical) parameters into the sharded layout; once. ``fill`` (a model built
+        on the meta device, ``init/deferred.py``): ZeRO-3 shards are allocated alone and filled by it,
+        never through a full bucket."""
         if self.sharded:
             return
         with torch.no_grad():
             for b in self.buckets.values():
+                if fill is not None and b.level >= 3:
+                    b.shard = nn.Parameter(self._filled_shard(b, fill), requires_grad=True)
+                    continue
                 flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
                 for f, v in b.views(flat).items():
                     v.copy_(params[f].detach())
@@ -137,6 +143,14 @@ class ZeroState:
                         free_storage(params[f])
                 b.shard = nn.Parameter(shard, requires_grad=True)
         self.sharded = True
+
+    @staticmethod
+    def _filled_shard(b: ShardBucket, fill: Fill) -> torch.Tensor:
+        """This rank's ZeRO-3 shard of bucket ``b`` (master dtype) with each piece written by ``fill``."""
+        shard = torch.zeros(b.shard_len, dtype=master_dtype(b.dtype), device=b.device)
+        for f, p_start, s_start, n in b.local_pieces():
+            fill(f, p_start, shard[s_start:s_start + n])
+        return shard
 
     # -- gathering -------------------------------------------------------------------------------
     def gather_input(self, b: ShardBucket, compute: bool = False) -> torch.Tensor:
@@ -225,6 +239,8 @@ def tensor_bytes(t: Any) -> int:
 def free_storage(p: torch.Tensor) -> None:
     """Release a parameter's memory while keeping its shape (ZeRO-3): the storage is resized to 0."""
     st = p.untyped_storage()
+    if st.nbytes() == 0:
+        return  # has none (a stand-in of a model built on the meta device)
     if p.storage_offset() != 0 or st.nbytes() != p.numel() * p.element_size():
         p.data = p.data.clone()  # shares storage with something else: give it its own first
         st = p.untyped_storage()
@@ -239,3 +255,15 @@ def ensure_storage(p: torch.Tensor) -> bool:
         return False
     st.resize_(p.numel() * p.element_size())
     return True
+
+
+def no_storage(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` whose storage holds nothing (as a released parameter's). On CPU
+    the address range ``set_`` reserves is never touched, so no memory is used."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(shape[d + 1], 1)
+    t = torch.empty(0, dtype=dtype, device=device)
+    t.set_(torch.UntypedStorage(0, device=t.device), 0, shape, strides)
+    t.untyped_storage().resize_(0)
+    return t

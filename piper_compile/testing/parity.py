@@ -37,6 +37,8 @@ class RunConfig:
     mixed_precision: Any = None  # options["mixed_precision"]; the reference computes in the same dtypes
     loss_scaling: Any = None  # options["loss_scaling"] (fp16); the reference steps a torch.amp.GradScaler
     poison: tuple[int, int] | None = None  # (step, row): that global batch row's first input is inf
+    meta: bool = False  # build on the meta device: ranks init their pieces (options["init"]); the reference
+    # is piper.materialize of the same meta model
 
     def backend(self) -> str:
         """The process group backend of a run: NCCL for one GPU per rank, else gloo."""
@@ -86,7 +88,16 @@ def _device(cfg: RunConfig) -> torch.device:
 
 
 def _model(cfg: RunConfig) -> nn.Module:
+    if cfg.meta:  # the single-device reference of a meta model: the values piper's ranks init
+        from piper_compile.init.replay import materialize
+
+        return materialize(_meta_model(cfg), _device(cfg), seed=cfg.seed)
     return build_model(cfg.model, cfg.seed, **cfg.model_kwargs).to(_device(cfg))
+
+
+def _meta_model(cfg: RunConfig) -> nn.Module:
+    with torch.device("meta"):
+        return build_model(cfg.model, cfg.seed, **cfg.model_kwargs)
 
 
 def _global_batch(model: nn.Module, cfg: RunConfig, step: int, n: int) -> tuple[torch.Tensor, ...]:
@@ -101,7 +112,7 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     """One rank of a piper run; returns losses, the parameters it owns (by position) and counters."""
     import piper_compile as piper
 
-    model = _model(cfg)
+    model = _meta_model(cfg) if cfg.meta else _model(cfg)
     if cfg.stages > 1:
         model.annotate_stages(cfg.stages)  # type: ignore[operator]
     piper_opt = None if cfg.user_optimizer else cfg.make_optimizer()
@@ -112,9 +123,11 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
         options["mixed_precision"] = cfg.mixed_precision
     if cfg.loss_scaling is not None:
         options["loss_scaling"] = cfg.loss_scaling
-    if cfg.mixed_precision is None:
+    if cfg.meta:
+        options["init_seed"] = cfg.seed
+    if cfg.mixed_precision is None and not cfg.meta:
         step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
-    else:  # mixed precision re-traces the model: piper.compile links the step to it
+    else:  # mixed precision re-traces the model, a meta one gets stand-ins: piper.compile links the step to it
         step = piper.compile(model, **options)
     user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
     sched = cfg.make_scheduler(piper.optimizer(step)) if cfg.scheduler else None
