@@ -18,7 +18,7 @@ from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
                          "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling", "log_stats",
-                         "memory_budget_mb", "init", "init_seed"})
+                         "memory_budget_mb", "init", "init_seed", "init_fn"})
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from piper_compile.api import _module_of, _state
-from piper_compile.checkpoint import commit, dcp_io
+from piper_compile.checkpoint import commit, dcp_io, hf
 from piper_compile.checkpoint.hooks import install_hooks
 from piper_compile.checkpoint.layout import Ctx, ctx_of, raw_state_dict
 from piper_compile.checkpoint.state_dict import build, full_values, materialize
@@ -46,18 +46,28 @@ def sharded_state_dict(step: Any) -> dict[str, Any]:
     return build(_context(step))
 
 
-def save(step: Any, path: str | os.PathLike[str]) -> None:
+def save(step: Any, path: str | os.PathLike[str], format: str = "dcp", max_shard_mb: float = 2048) -> None:  # noqa: A002
     """Save the run's model and optimizer state as the checkpoint directory ``path``, atomically: every
-    rank calls it. The ranks write ``sharded_state_dict(step)`` through DCP into a temporary sibling
+    rank calls it. ``format="hf"`` instead writes the model's tensors as a Hugging Face ``save_pretrained``
+    directory (safetensors files of at most ``max_shard_mb``, their index, the transformers model's
+    ``config.json``; no optimizer state), gathered a file at a time (``checkpoint/hf.py``). The ranks write ``sharded_state_dict(step)`` through DCP into a temporary sibling
     ``<path>.tmp-<id>``; once every rank's files and DCP's metadata are written, rank 0 records the files
     (``.piper_commit.json``) and renames the directory to ``path``, replacing the previous checkpoint
     there. A save that fails or is killed on any rank before that leaves the previous checkpoint at
     ``path``; a failure raises a ``piper:`` error on every rank that is still running."""
+    if format == "hf":
+        hf.save(_context(step), os.fspath(path), max_shard_mb)
+        return
+    if format != "dcp":
+        raise PiperError(f"piper: piper.save(format={format!r}): write 'dcp' (piper's sharded checkpoint, with "
+                         "optimizer state) or 'hf' (a Hugging Face safetensors directory of the model)")
     dcp_io.save(sharded_state_dict(step), os.fspath(path))
 
 
 def load(step: Any, path: str | os.PathLike[str], strict: bool = True) -> LoadResult:
     """Load the checkpoint directory ``path`` into the live training state, in place; every rank calls it.
+    A Hugging Face ``save_pretrained`` directory (safetensors) loads the model's tensors, each rank reading
+    only its own pieces (``checkpoint/hf.py``).
     Any checkpoint in this layout loads, whatever wrote it: ``save`` under another strategy, ZeRO level or
     world size, or DCP from an eager model (``{"model": model.state_dict()}``; without ``optim`` entries
     only the parameters are loaded). Before the step's first call (fresh processes) the shard layout
@@ -77,6 +87,8 @@ def load(step: Any, path: str | os.PathLike[str], strict: bool = True) -> LoadRe
     not a mismatch: only the parameters are loaded."""
     module = _module_of(step)
     st = _state(step, create=True)
+    if hf.is_hf_checkpoint(os.fspath(path)):
+        return _load_hf(step, module, st, os.fspath(path), strict)
     directory, metadata = commit.resolve(os.fspath(path))
     model_keys = [k for k, v in raw_state_dict(module).items() if isinstance(v, torch.Tensor)]
     missing, unexpected = dcp_io.check_keys(model_keys, metadata, directory, strict)
@@ -94,6 +106,23 @@ def load(step: Any, path: str | os.PathLike[str], strict: bool = True) -> LoadRe
     else:
         st.pending.append(run)
     return LoadResult(missing, unexpected, directory)
+
+
+def _load_hf(step: Any, module: Any, st: Any, path: str, strict: bool) -> LoadResult:
+    """A Hugging Face safetensors directory (``checkpoint/hf.py``): the model's tensors, each rank reading
+    its own pieces; now, or inside the first call when the step has not run yet."""
+    missing, unexpected, _ = hf.check(module, path, strict)
+
+    def run(cs: Any) -> None:
+        ctx = ctx_of(st, cs, module)
+        install_hooks(st, module)
+        hf.load(ctx, path, strict)
+
+    if st.first_call_done and st.steps:
+        run(_context(step).cs)
+    else:
+        st.pending.append(run)
+    return LoadResult(missing, unexpected, path)
 
 
 def _load_now(ctx: Ctx, directory: str, metadata: Any, strict: bool, model_only: bool = False) -> None:

@@ -166,28 +166,32 @@ def materialize(ctx: Ctx, opt: torch.optim.Optimizer) -> None:
                 s["step"] = type(v)(0)
 
 
-def full_values(ctx: Ctx) -> dict[str, torch.Tensor]:
+def full_values(ctx: Ctx, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full copies of every parameter (``only``: of those FQNs; every rank must pass the same set), on
+    every rank: a collective over the world."""
     vals: dict[str, torch.Tensor] = {}
+    want = set(ctx.params) if only is None else only
     z = ctx.st.zero
     if z is not None and z.sharded:
         for name in sorted(z.buckets):
             b = z.buckets[name]
-            vals.update({f: v.clone() for f, v in b.views(z.full_flat(b.name, ctx.groups)).items()})
-    vals.update(_gather_pieces(ctx))
+            if want & set(b.fqns):
+                vals.update({f: v.clone() for f, v in b.views(z.full_flat(b.name, ctx.groups), want).items()})
+    vals.update(_gather_pieces(ctx, want))
     for f, p in ctx.params.items():
-        if f not in vals:  # a released parameter (another stage's) has no storage: its owner sends it
+        if f in want and f not in vals:  # a released parameter (another stage's) has no storage: its owner sends it
             vals[f] = p.detach().clone() if p.untyped_storage().nbytes() else torch.empty(p.shape, dtype=p.dtype,
                                                                                           device=p.device)
     if ctx.world > 1:
-        for f in ctx.params:  # the same order on every rank
+        for f in [f for f in ctx.params if f in want]:  # the same order on every rank
             own = ctx.owners.get(f)
             if own and len(own) < ctx.world:
                 dist.broadcast(vals[f], src=min(own))
     return vals
 
 
-def _gather_pieces(ctx: Ctx) -> dict[str, torch.Tensor]:
-    """Full values of the expert and tensor-parallel weights this rank holds a piece of, all-gathered
-    within each piece's group (the same order on every rank: sorted by fqn, each group's collectives on
-    its own group)."""
-    return {f: ctx.split[f].gather(ctx.groups) for f in sorted(ctx.split)}
+def _gather_pieces(ctx: Ctx, want: set[str]) -> dict[str, torch.Tensor]:
+    """Full values of the expert and tensor-parallel weights (of ``want``) this rank holds a piece of,
+    all-gathered within each piece's group (the same order on every rank: sorted by fqn, each group's
+    collectives on its own group)."""
+    return {f: ctx.split[f].gather(ctx.groups) for f in sorted(ctx.split) if f in want}

@@ -10,9 +10,10 @@ buffers its program reads, its expert / tensor-parallel pieces, its ZeRO-3 shard
 and fills each from the init programs (``init/replay.py``). Other stages' weights and ZeRO-3 parameters
 never get storage.
 
-``options["init"]``: ``"module"`` (default) runs each module's ``reset_parameters()``; a callable
-``init_fn(module)`` is applied as ``model.apply(init_fn)``; ``"checkpoint"`` leaves the parameters for
-``piper.load`` (buffers are still initialized: non-persistent ones are in no checkpoint).
+``options["init"]``: ``"module"`` (default) runs each module's ``reset_parameters()``, or
+``options["init_fn"](module)`` applied as ``model.apply(init_fn)`` (``init=init_fn`` is short for both);
+``"checkpoint"`` leaves the parameters for ``piper.load`` (buffers are still initialized the same way:
+non-persistent ones are in no checkpoint).
 ``options["init_seed"]`` (default 0) keys the random values; ``piper.materialize(model, seed=...)``
 builds the same values on one device.
 """
@@ -46,17 +47,20 @@ class InitChoice:
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "InitChoice":
         options = options or {}
-        raw, seed = options.get("init", "module"), options.get("init_seed", 0)
+        raw, seed, fn = options.get("init", "module"), options.get("init_seed", 0), options.get("init_fn")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise PiperError(f"piper: options['init_seed'] must be an int (it keys every rank's random init values), "
                              f"got {seed!r}")
-        if callable(raw):
+        if fn is not None and not callable(fn):
+            raise PiperError(f"piper: options['init_fn'] must be a function init_fn(module), applied as "
+                             f"model.apply(init_fn) instead of each module's reset_parameters(); got {fn!r}")
+        if callable(raw):  # init=init_fn: shorthand for init="module", init_fn=init_fn
             return cls("module", raw, seed)
         if raw not in INIT_MODES:
-            raise PiperError(f"piper: options['init'] must be 'module' (each module's reset_parameters()), "
-                             f"'checkpoint' (values come from piper.load) or a function init_fn(module) applied as "
-                             f"model.apply(init_fn); got {raw!r}")
-        return cls(raw, None, seed)
+            raise PiperError(f"piper: options['init'] must be 'module' (each module's reset_parameters(), or "
+                             f"options['init_fn']), 'checkpoint' (parameters come from piper.load; buffers are still "
+                             f"initialized) or a function init_fn(module) applied as model.apply(init_fn); got {raw!r}")
+        return cls(raw, fn, seed)
 
 
 class Deferred:
@@ -121,7 +125,7 @@ def defer(model: nn.Module, device: Any, options: dict[str, Any] | None) -> Defe
     if not metas:
         return None
     choice = InitChoice.parse(options)
-    plan = record(model, choice.fn)
+    plan = record(model, choice.fn, params_required=choice.mode != "checkpoint")
     for _, t in metas:
         swap_in(t, no_storage(tuple(t.shape), t.dtype, device))
     return Deferred(model, plan, choice)

@@ -209,10 +209,11 @@ def _post_order(model: nn.Module, prefix: str = "", seen: set[int] | None = None
     return out
 
 
-def record(model: nn.Module, init_fn: InitFn | None = None) -> InitPlan:
+def record(model: nn.Module, init_fn: InitFn | None = None, params_required: bool = True) -> InitPlan:
     """Every meta tensor's init program (see the module docstring). The calls run on fake CPU tensors
     standing in for the meta ones (``torch.nn.init`` skips meta tensors outright). Raises, naming them,
-    when some meta parameter or buffer is written by no init call."""
+    when some meta buffer, or parameter (``params_required``; not when a checkpoint load fills them), is
+    written by no init call."""
     plan = InitPlan()
     plan.real = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
     for key, t in meta_tensors(model):
@@ -245,7 +246,8 @@ def record(model: nn.Module, init_fn: InitFn | None = None) -> InitPlan:
             call = Call(index, name, fn, rec.why)
             plan.calls.append(call)
             _append(plan, call, rec)
-    _check_covered(plan, init_fn)
+    params = {id(p) for p in model.parameters()}
+    _check_covered(plan, init_fn, {k for i, k in plan.ids.items() if params_required or i not in params})
     return plan
 
 
@@ -261,10 +263,10 @@ def _append(plan: InitPlan, call: Call, rec: _Recorder) -> None:
         plan.programs[key].append(Fallback(call.index))
 
 
-def _check_covered(plan: InitPlan, init_fn: InitFn | None) -> None:
-    """Every meta tensor's program starts by writing all of it."""
-    bad = [k for k, prog in plan.programs.items()
-           if not prog or (isinstance(prog[0], InitOp) and (prog[0].view is not None or not _overwrites(prog[0])))]
+def _check_covered(plan: InitPlan, init_fn: InitFn | None, keys: set[str]) -> None:
+    """Every meta tensor of ``keys`` has a program that starts by writing all of it."""
+    bad = [k for k, prog in plan.programs.items() if k in keys and (
+           not prog or (isinstance(prog[0], InitOp) and (prog[0].view is not None or not _overwrites(prog[0]))))]
     if bad:
         more = f", ... ({len(bad)} in all)" if len(bad) > 4 else ""
         how = "init_fn" if init_fn is not None else "reset_parameters()"

@@ -37,7 +37,7 @@ from piper_compile.capture.annotate import annotate
 from piper_compile.errors import PiperError
 from piper_compile.nn.moe import moe_experts
 
-__all__ = ["adapt_moe", "unadapted_moe_blocks", "hf_state_dict", "StackedMoE", "UnsupportedMoEError"]
+__all__ = ["adapt_moe", "unadapted_moe_blocks", "hf_state_dict", "init_fn", "StackedMoE", "UnsupportedMoEError"]
 
 
 class UnsupportedMoEError(PiperError, ValueError):
@@ -331,3 +331,29 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for e in range(w.shape[0]):
                 sd[f"{prefix}experts.{e}.{proj}.weight"] = w[e].t().contiguous()
     return sd
+
+
+def init_fn(model: nn.Module) -> Any:
+    """``options["init_fn"]`` for a transformers model built on the meta device: its own ``_init_weights``
+    per module (normal(0, initializer_range) Linear / Embedding weights, zero biases, unit norms), and each
+    rotary embedding's ``inv_freq`` computed again from its config (transformers computes it in
+    ``__init__``, so on the meta device it has no values). Adapted MoE blocks' stacked experts get
+    ``normal(0, initializer_range)`` as their per-expert Linears would."""
+    found = next((m for m in model.modules() if callable(getattr(m, "_init_weights", None))
+                  and hasattr(m, "config")), None)
+    if found is None:
+        raise PiperError("piper: nn.hf.init_fn(model): the model contains no transformers PreTrainedModel")
+    hf = found
+    std = float(getattr(hf.config, "initializer_range", 0.02))
+
+    def init(mod: nn.Module) -> None:
+        if callable(getattr(mod, "rope_init_fn", None)) and isinstance(getattr(mod, "inv_freq", None), torch.Tensor):
+            inv_freq, _ = mod.rope_init_fn(mod.config, torch.device("cpu"))
+            mod.inv_freq.copy_(inv_freq)
+        elif isinstance(mod, StackedMoE):
+            for w in (mod.w_gate, mod.w_up, mod.w_down):
+                nn.init.normal_(w, std=std)
+        else:
+            hf._init_weights(mod)
+
+    return init

@@ -38,7 +38,6 @@ class TrainState:
         self.optimizer: torch.optim.Optimizer | None = None
         self.broadcast_done = False
         self.steps: list[Any] = []  # the CompiledSteps (grad / no-grad variants) of this model
-        self.device = params[0].device if params else torch.device("cpu")
         self.zero: ZeroState | None = None
         self.zero_layout: Layout = {}
         self.named: dict[str, nn.Parameter] = {}
@@ -58,6 +57,12 @@ class TrainState:
         self.updates = 0  # optimizer steps so far (a compute copy made before the last one is stale)
         self.scaler: LossScaler | None = None  # fp16: dynamic loss scaling (runtime/loss_scale.py)
         self.deferred: Any = None  # a model built on the meta device: its init (init/deferred.Deferred)
+        self.load_bytes = 0  # bytes the last Hugging Face checkpoint load read on this rank (checkpoint/hf.py)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (read each time: a meta model's parameters move at its first call)."""
+        return self.params[0].device if self.params else torch.device("cpu")
 
     def adopt_precision(self, precision: Precision) -> None:
         """The mixed-precision policy this model trains with (every compiled variant must agree)."""
