@@ -19,7 +19,7 @@ from piper_compile.plan.program import Program
 Layout = dict[str, tuple[tuple[str, ...], tuple[int, ...], int, str]]  # bucket -> (fqns, devices, level, stream)
 Fill = Callable[[str, int, torch.Tensor], None]  # (fqn, start in the flattened parameter, 1-D destination)
 
-from piper_compile.runtime.comm import all_gather
+from piper_compile.runtime.comm import all_gather, all_gather_in_place
 
 
 def layout_of(program: Program) -> Layout:
@@ -166,7 +166,7 @@ class ZeroState:
         lo, hi = b.shard_range()
         if b.shard.data_ptr() != b.flat[lo:hi].data_ptr():
             b.flat[lo:hi].copy_(b.shard.detach())
-        return all_gather(b.flat, b.flat[lo:hi], group)
+        return all_gather_in_place(b.flat, group)
 
     def gather(self, name: str, group: Any) -> tuple[torch.Tensor, Any]:
         """ZeRO-3: a fresh full flat buffer of the bucket (async); the caller takes views of it."""
