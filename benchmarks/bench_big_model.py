@@ -78,7 +78,7 @@ def _piper_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     times = []
     n = job["batch"]
     for s in range(2):
-        x, y = _batch(model, s, n * (1 if job["variant"] == "piper-pp4" else world))
+        x, y = _batch(model, s, n * (4 if job["variant"] == "piper-pp4" else world))  # PP4: 4 micro-batches
         if job["variant"] != "piper-pp4":
             x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
         t0 = time.perf_counter()
@@ -130,7 +130,7 @@ def _run(variant: str, job: dict[str, Any]) -> list[dict[str, Any]] | str:
     job = {**job, "variant": variant}
     worker = _fsdp_worker if variant == "fsdp2" else _piper_worker
     try:
-        return run_local(worker, WORLD, job, timeout=job["timeout"])
+        return run_local(worker, WORLD, job, timeout_s=job["timeout"])
     except Exception as e:  # noqa: BLE001 - print it and go on with the other variants
         return f"{type(e).__name__}: {str(e)[-600:]}"
 

@@ -7,6 +7,7 @@ program, compile this rank's segments, create process groups, broadcast rank 0's
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -81,6 +82,7 @@ class _NoopBackward(torch.autograd.Function):
 
 
 _ANCHOR = torch.zeros((), requires_grad=True)
+_NULL = contextlib.nullcontext()
 
 
 class CompiledStep:
@@ -400,11 +402,12 @@ class CompiledStep:
         if (not train) not in self.plans or not self.state.broadcast_done or self.state.pending:
             check.resolve()  # before this call creates process groups, broadcasts or loads anything
         plan = self.plan(forward_only=not train)
-        if not self.state.broadcast_done:
-            self._first_values()
-        self.state.shard()
-        _check_resident(plan.reads, self.state, self.rank, "training program" if train else "forward-only program")
-        self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
+        with torch.profiler.record_function("piper::initialize") if not self.state.first_call_done else _NULL:
+            if not self.state.broadcast_done:
+                self._first_values()
+            self.state.shard()
+            _check_resident(plan.reads, self.state, self.rank, "training program" if train else "forward-only program")
+            self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
         loss = plan.executor.run(list(args), check)
         if train:
             self._log_stats()

@@ -5,6 +5,7 @@ bytes after the first steps are the plan's (within 2%). One process tree per wor
 in turn (Dynamo reset in between)."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -79,3 +80,56 @@ def test_meta_models_train_like_their_reference_on_two_ranks():
 
 def test_meta_models_train_like_their_reference_on_four_ranks():
     _check(4, _cases_4())
+
+
+BIG = {"layers": 2, "vocab": 8192, "dim": 256, "heads": 4}  # wte: 8 MiB, a ZeRO-3 bucket of its own
+
+
+def _init_allocations(rank: int, world: int, hf_dir: str | None) -> dict[str, Any]:
+    """The first call of DP2 ZeRO-3 on a meta GPT under the profiler: the bytes of every allocation made
+    while piper initialized (``piper::initialize``: materializing, sharding, a deferred load), and the
+    size of the largest parameter and of its shard."""
+    from piper_compile.testing.models import build_model
+
+    with torch.device("meta"):
+        model = build_model("gpt", **BIG)
+    step = piper.compile(model, directives=[piper.replicate(zero=3, bucket_mb=1), piper.split(2)], codegen="eager",
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), init="checkpoint" if hf_dir else "module")
+    if hf_dir:
+        piper.load(step, hf_dir)
+    x, y = model.make_batch(8, torch.Generator().manual_seed(0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+    events = prof.events()
+    inside = [e for e in events if e.name == "piper::initialize"]
+    assert len(inside) == 1
+    lo, hi = inside[0].time_range.start, inside[0].time_range.end
+    sizes = [e.self_cpu_memory_usage for e in events
+             if e.self_cpu_memory_usage > 0 and lo <= e.time_range.start and e.time_range.end <= hi]
+    full = model.wte.weight.numel() * 4
+    return {"sizes": sizes, "full": full, "held": piper.memory_report(step).measured.params}
+
+
+def _hf_source(path: str) -> None:
+    from piper_compile.init.replay import materialize
+    from piper_compile.testing.models import build_model
+
+    with torch.device("meta"):
+        model = build_model("gpt", **BIG)
+    materialize(model, seed=0)
+    from safetensors.torch import save_model
+
+    os.makedirs(path, exist_ok=True)
+    save_model(model, os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("load", [False, True], ids=["init", "hf-load"])
+def test_zero3_never_allocates_a_full_parameter_while_initializing_or_loading(tmp_path, load):
+    hf_dir = None
+    if load:
+        hf_dir = str(tmp_path / "hf")
+        _hf_source(hf_dir)
+    for r in run_local(_init_allocations, 2, hf_dir):
+        assert r["sizes"], "nothing was allocated while initializing: the check saw nothing"
+        assert max(r["sizes"]) < r["full"] / 2 + 2**16, (max(r["sizes"]), r["full"])  # never a whole wte
+        assert max(r["sizes"]) >= r["full"] / 2 - 2**16  # its shard was (the check can see it)
