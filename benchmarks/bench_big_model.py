@@ -89,6 +89,7 @@ def _piper_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     mem = piper.memory_report(step).predicted
     out = {"base": base, "peak": _peak_rss(), "times": times, "share": (mem.params + mem.grads + mem.optimizer) / MiB,
            "act": (mem.peak_activations + mem.peak_gathered_params + max(0, mem.peak_grad_buckets - mem.grads)) / MiB}
+    out["steps_peak"] = _peak_rss()  # before the save's gathers
     if job["variant"] == "piper-pp4" and job.get("save_to"):
         t0 = time.perf_counter()
         piper.save(step, job["save_to"], format="hf", max_shard_mb=256)
@@ -145,7 +146,8 @@ def _report(variant: str, res: list[dict[str, Any]] | str) -> None:
         print(f"{variant:12} rank {rank}  peak RSS {r['peak']:8.0f} MiB  base {r['base']:5.0f}  peak-base {used:8.0f}  "
               f"share {r['share']:8.0f} + act {r['act']:6.0f}  {'within' if used <= bound else 'OVER'} +10% "
               f"({used / max(r['share'] + r['act'], 1e-9):.2f}x)  first step {r['times'][0]:6.1f} s  "
-              f"second {r['times'][1]:5.1f} s" + (f"  hf save {r['save_s']:.1f} s" if "save_s" in r else ""))
+              f"second {r['times'][1]:5.1f} s" + (f"  hf save {r['save_s']:.1f} s (peak-base before it "
+                                                   f"{r['steps_peak'] - r['base']:.0f})" if "save_s" in r else ""))
 
 
 def main() -> None:

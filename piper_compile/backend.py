@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import warnings
+import weakref
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,7 @@ class CompiledStep:
         self.gm = gm
         self.link = link if link is not None else link_for(options)  # piper.compile's link to the module
         self.recompile_reason: str | None = None  # set by piper_backend when Dynamo compiled the frame again
+        self.reused_recompiles = 0  # Dynamo recompiles that traced this step's graph again (piper_backend)
         self._arg_order: list[int] | None = None  # mixed precision: the re-traced graph's inputs
         # Read during Dynamo's compile (the backend call): its grapharg metadata is gone afterwards.
         self.sources = sources if sources is not None else source_names(gm)
@@ -525,9 +527,36 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
     """The ``torch_dynamo_backends`` entry point ``piper``."""
     if kwargs:
         raise PiperError(f"piper: unexpected backend arguments {sorted(kwargs)}; pass settings in options={{...}}")
+    reason = _recompile_reason()
+    key = _graph_key(gm, example_inputs, options)
+    found = _SAME_GRAPH.get(key)
+    prior = found() if found is not None else None
+    if reason is not None and prior is not None and prior.joint is not None and prior.raw_options is options:
+        _say_recompile(reason, reused=True)
+        prior.reused_recompiles += 1
+        return prior  # the same graph again: its capture, plans, compiled segments and state
+    if reason is not None:
+        _say_recompile(reason, reused=False)
     step = CompiledStep(gm, example_inputs, options)
-    step.recompile_reason = _recompile_reason()
+    step.recompile_reason = reason
+    _SAME_GRAPH[key] = weakref.ref(step)
     return step
+
+
+# (options dict, graph code, input types): the step made for it. A recompile whose new graph is the old one
+# -- transformers sets config.problem_type inside the first call, so Dynamo's guard on it fails once and
+# it traces the same ops again -- gets the existing step instead of a new capture, plan and compilation.
+_SAME_GRAPH: dict[tuple[Any, ...], "weakref.ref[CompiledStep]"] = {}
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tuple[Any, ...]:
+    def sig(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return (type(t).__name__, t.dtype, tuple(map(str, t.shape)), tuple(map(str, t.stride())), t.device.type,
+                    t.requires_grad)
+        return (type(t).__name__, str(t))
+
+    return (id(options), gm.code, tuple(sig(t) for t in example_inputs), torch.is_grad_enabled())
 
 
 _GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # Dynamo frame -> grad modes it has a version for
@@ -553,13 +582,19 @@ def _recompile_reason() -> str | None:
     if grad not in seen:  # the first training or the first torch.no_grad version: expected
         seen.add(grad)
         return None
+    return reason
+
+
+def _say_recompile(reason: str, reused: bool) -> None:
+    """The one line a recompile prints: the guard that failed, and what piper does about it."""
     grad_mode = "grad_mode" in reason  # Dynamo names the first failing guard of its newest version only
     what = ("a guard failed (TORCH_LOGS=recompiles names it)" if grad_mode else
             f"a guard failed: {' '.join(reason.split(chr(10))[0].split())}")
-    warnings.warn(f"piper: Dynamo compiles the piper step again: {what}; piper "
-                  "captures, plans and compiles the new version at its next call (see piper.stats(step).recompiles); "
-                  "keep that attribute or input fixed to avoid it", stacklevel=2)
-    return reason
+    then = ("Dynamo traced the same graph again, so piper reuses its capture, plan and compiled segments (only "
+            "Dynamo's trace was repeated)" if reused else
+            "piper captures, plans and compiles the new version at its next call")
+    warnings.warn(f"piper: Dynamo compiles the piper step again: {what}; {then} (see piper.stats(step).recompiles); "
+                  "keep that attribute or input fixed to avoid it", stacklevel=3)
 
 
 __all__ = ["CompiledStep", "Options", "PiperDirectiveError", "piper_backend"]

@@ -187,7 +187,7 @@ def metrics_of(cs: Any) -> StepMetrics:
     return StepMetrics(seconds, stats.samples, stats.samples * tokens_per_sample(cs, stats.symbols), flops, peak, source,
                        stats.compute_s, stats.update_s, stats.comm_wait_s, stats.p2p_wait_s, mem, note,
                        len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
-                       sum(1 for s in cs.state.steps if s.recompile_reason))
+                       sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps))
 
 
 def stats(step: Any) -> StepMetrics:

@@ -101,7 +101,9 @@ class Replayer:
         if op.view is None:
             total = self.numel(key)
             for a, dest in runs:
-                dest.copy_(self._draw(key, op, a, a + dest.numel(), total, dtype))
+                for start, buf in self._blocks(key, op, a, a + dest.numel(), total, dtype):
+                    s, e = max(a, start), min(a + dest.numel(), start + buf.numel())
+                    dest[s - a:e - a] = buf[s - start:e - start]  # straight into the piece: no run-sized copy
             return
         total = self._view_indices(op).numel()
         for a, dest in runs:
@@ -115,16 +117,22 @@ class Replayer:
     def _draw(self, key: str, op: InitOp, lo: int, hi: int, total: int, dtype: torch.dtype) -> torch.Tensor:
         """The op's values at positions ``[lo, hi)`` of its range of ``total`` elements."""
         out = torch.empty(hi - lo, dtype=dtype)
+        for start, buf in self._blocks(key, op, lo, hi, total, dtype):
+            s, e = max(lo, start), min(hi, start + buf.numel())
+            out[s - lo:e - lo] = buf[s - start:e - start]
+        return out
+
+    def _blocks(self, key: str, op: InitOp, lo: int, hi: int, total: int,
+                dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+        """(start, values) of every block of the op's range that ``[lo, hi)`` touches, each drawn whole."""
         b = lo // BLOCK
         while b * BLOCK < hi:
             start = b * BLOCK
             buf = torch.empty(min(BLOCK, total - start), dtype=dtype)
             gen = torch.Generator().manual_seed(block_seed(self.seed, key, op.index, b))
             op.func(buf, *op.args, generator=gen, **dict(op.kwargs))
-            s, e = max(lo, start), min(hi, start + buf.numel())
-            out[s - lo:e - lo] = buf[s - start:e - start]
+            yield start, buf
             b += 1
-        return out
 
     # -- fallback calls ----------------------------------------------------------------------------
     def _after_call(self, key: str, step: Fallback) -> torch.Tensor:

@@ -62,7 +62,7 @@ def test_programs_are_replayable_ops_or_fallbacks():
     assert ops["low.weight"] == ["uniform_"]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.data())
 def test_any_flat_piece_equals_that_piece_of_the_whole(data: st.DataObject) -> None:
     model = _meta()

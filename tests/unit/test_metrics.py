@@ -103,3 +103,64 @@ def test_a_recompile_is_said_once_and_counted():
     assert len(said) == 1 and "self.double" in said[0], said
     m = piper.stats(step)
     assert m.recompiles == 1 and m.compiled_segments >= 2 and m.fallbacks == 0
+
+
+def test_a_recompile_that_traces_the_same_graph_reuses_the_step():
+    """A library that settles a config attribute inside the first call (transformers' config.problem_type)
+    makes Dynamo's guard on it fail once; the graph it traces again is the same, so piper reuses its
+    capture, plan and compiled segments: one line says so, stats count it, training goes on exactly."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Config:  # as transformers' PretrainedConfig: a plain object
+        problem_type = None
+
+    class Settles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.config = Config()
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if self.config.problem_type is None:
+                self.config.problem_type = "regression"
+            return F.mse_loss(self.fc(x), y)
+
+    torch.manual_seed(0)
+    model, ref = Settles(), Settles()
+    ref.load_state_dict(model.state_dict())
+    step = piper.compile(model, codegen="eager", optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(3):
+            x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(s)), torch.randn(4, 8)
+            loss = step(x, y)
+            opt.zero_grad()
+            want = ref(x, y)
+            want.backward()
+            opt.step()
+            torch.testing.assert_close(loss, want.detach())
+    said = [str(w.message) for w in caught if "compiles the piper step again" in str(w.message)]
+    assert len(said) == 1 and "problem_type" in said[0] and "reuses its capture" in said[0], said
+    assert len(piper.compiled_steps(step)) == 1 and piper.stats(step).recompiles == 1
+
+
+def test_vit_with_labels_does_not_capture_again_at_step_two():
+    """transformers' ViTForImageClassification sets config.problem_type at the first call with labels:
+    Dynamo recompiles once, piper reuses its step (it captured, planned and compiled again before)."""
+    import warnings
+
+    from piper_compile.testing.hf import HFLoss
+
+    model = HFLoss("vit", hf_loss=True, seed=0)
+    step = piper.compile(model, codegen="eager", optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(2):
+            step(*model.make_batch(4, torch.Generator().manual_seed(s)))
+    said = [str(w.message) for w in caught if "compiles the piper step again" in str(w.message)]
+    assert len(said) == 1 and "problem_type" in said[0] and "reuses" in said[0], said
+    assert len(piper.compiled_steps(step)) == 1 and model.model.config.problem_type == "single_label_classification"
