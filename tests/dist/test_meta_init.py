@@ -133,3 +133,13 @@ def test_zero3_never_allocates_a_full_parameter_while_initializing_or_loading(tm
         assert r["sizes"], "nothing was allocated while initializing: the check saw nothing"
         assert max(r["sizes"]) < r["full"] / 2 + 2**16, (max(r["sizes"]), r["full"])  # never a whole wte
         assert max(r["sizes"]) >= r["full"] / 2 - 2**16  # its shard was (the check can see it)
+
+
+def test_meta_model_under_bf16_mixed_precision_matches_its_reference():
+    """DP2 ZeRO-3 with a bf16 compute copy: the ranks' fp32 master shards are initialized pieces (the
+    compute copy is cast from them), and training follows the bf16 reference of piper.materialize."""
+    from piper_compile.testing.parity import run_mixed_parity
+
+    cfg = _cfg([piper.replicate(zero=3, bucket_mb=0.05), piper.split(2)], model_kwargs={"layers": 2}, local_batch=4,
+               optimizer=("AdamW", {"lr": 1e-3}), mixed_precision={"param_dtype": "bf16"})
+    run_mixed_parity(cfg, 2)

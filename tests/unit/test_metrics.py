@@ -148,6 +148,7 @@ def test_a_recompile_that_traces_the_same_graph_reuses_the_step():
     assert len(piper.compiled_steps(step)) == 1 and piper.stats(step).recompiles == 1
 
 
+@pytest.mark.slow
 def test_vit_with_labels_does_not_capture_again_at_step_two():
     """transformers' ViTForImageClassification sets config.problem_type at the first call with labels:
     Dynamo recompiles once, piper reuses its step (it captured, planned and compiled again before)."""
