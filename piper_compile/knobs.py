@@ -85,8 +85,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ("auto", "always")),
     Knob("PIPER_TRITON_EXPERTS", "flag", True, "on CUDA, run the grouped SwiGLU experts (MoE) through piper's "
          "Triton kernels when triton is installed (0: the torch reference)"),
-    Knob("PIPER_INDUCTOR_CACHE", "flag", False, "let Inductor's on-disk FX graph cache serve compiled "
-         "segments (first step ~2x faster, ~150 MiB more RSS per process)"),
+    Knob("PIPER_INDUCTOR_CACHE", "flag", True, "compile segments through Inductor's on-disk FX graph cache: "
+         "ranks running the same segment take turns, so one compiles it and the others load it, and a second run "
+         "loads every segment (0: every rank compiles everything)"),
     Knob("PIPER_FUSED_OPTIMIZER", "flag", True, "build piper's optimizer with fused=True where that is known "
          "to update like the default implementation"),
     Knob("PIPER_KEEP_HEAP", "flag", True, "on Linux CPU, tune glibc malloc so freed step memory is reused "

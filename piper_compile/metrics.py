@@ -73,6 +73,8 @@ class StepMetrics:
     fallbacks: int = 0
     compile_s: float = 0.0
     recompiles: int = 0
+    cache_hits: int = 0  # segments loaded from Inductor's FX graph cache (another rank or run compiled them)
+    cache_misses: int = 0  # segments this rank compiled and wrote to the cache
 
     @property
     def tflops_per_s(self) -> float:
@@ -187,7 +189,8 @@ def metrics_of(cs: Any) -> StepMetrics:
     return StepMetrics(seconds, stats.samples, stats.samples * tokens_per_sample(cs, stats.symbols), flops, peak, source,
                        stats.compute_s, stats.update_s, stats.comm_wait_s, stats.p2p_wait_s, mem, note,
                        len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
-                       sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps))
+                       sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps),
+                       sum(1 for c in segs if c.cache == "hit"), sum(1 for c in segs if c.cache == "miss"))
 
 
 def stats(step: Any) -> StepMetrics:

@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
+from piper_compile.codegen import cache
 from piper_compile.knobs import knob
 from torch import fx
 
@@ -36,6 +37,7 @@ class CompiledSegment:
         self.fallback: str | None = None  # why Inductor failed, when this segment runs eagerly instead
         self.fallback_op: str | None = None  # the op Inductor failed on, when the error names one
         self.fallback_source: str | None = None  # the user's source line that op came from
+        self.cache = ""  # Inductor's FX graph cache: "hit", "miss" (compiled here), "bypass" or "off"
 
     def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
         if self.mode == "eager":
@@ -68,15 +70,19 @@ class CompiledSegment:
 
         with torch.no_grad():
             static = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-            if knob("PIPER_INDUCTOR_CACHE"):
-                # A tracing context with a shape env lets Inductor's FX graph cache key the (static)
-                # graph, so ranks and later runs compiling the same segment hit the on-disk cache: the
-                # first step gets ~2x faster, but the cache machinery costs ~150 MiB of RSS per process.
-                ctx = TracingContext(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
-                with tracing(ctx):
-                    compiled = compile_fx_inner(static, list(args))
-            else:
-                compiled = compile_fx_inner(static, list(args))
+            if not knob("PIPER_INDUCTOR_CACHE"):
+                self.cache = "off"
+                return compile_fx_inner(static, list(args))
+            # A tracing context with a shape env lets Inductor's FX graph cache key the (static) graph;
+            # ranks running the same segment take turns (codegen/cache.py): one compiles, the rest load.
+            # Fake example inputs: Inductor hashes a real tensor's values into the key (it takes it for a
+            # constant), so each rank's batch and weights would make a key of its own.
+            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+            fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+            with cache.one_compiler(cache.segment_key(static, args)), tracing(TracingContext(mode)):
+                before = cache.counts()
+                compiled = compile_fx_inner(static, fakes)
+                self.cache = cache.outcome(before, cache.counts())
         return compiled
 
     def __call__(self, args: list[Any], key: Any = None) -> list[Any]:

@@ -1,0 +1,50 @@
+"""Each distinct segment is compiled once per job (``codegen/cache.py``): data-parallel replicas take turns
+per segment through Inductor's on-disk FX graph cache, so one rank compiles a segment and the others
+load it; results are bitwise those of every rank compiling for itself; a second run of the job loads
+every segment and compiles none."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import piper_compile as piper
+from piper_compile.testing.launch import run_local
+from piper_compile.testing.models import build_model
+
+pytestmark = pytest.mark.slow
+
+
+def _dp2(rank: int, world: int) -> dict[str, Any]:
+    model = build_model("gpt", 0, layers=2)
+    step = piper.compile(model, directives=[piper.replicate(zero=1), piper.split(2)],
+                         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    losses = []
+    for s in range(2):
+        x, y = model.make_batch(8, torch.Generator().manual_seed(s))
+        losses.append(step(x[rank * 4:(rank + 1) * 4].clone(), y[rank * 4:(rank + 1) * 4].clone()).item())  # own tensors, as a loader gives
+    m = piper.stats(step)
+    segs = {n: c.cache for n, c in piper.compiled_steps(step)[0].compiled.items()}
+    return {"losses": losses, "hits": m.cache_hits, "misses": m.cache_misses, "segments": segs,
+            "fallbacks": m.fallbacks, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_replicas_compile_each_segment_once_and_a_second_run_compiles_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cold = run_local(_dp2, 2)
+    distinct = set(cold[0]["segments"])
+    assert distinct == set(cold[1]["segments"]) and not any(r["fallbacks"] for r in cold)
+    # each segment compiled by exactly one of the two ranks, loaded by the other
+    for name in distinct:
+        assert sorted(r["segments"][name] for r in cold) == ["hit", "miss"], (name, [r["segments"] for r in cold])
+    assert sum(r["misses"] for r in cold) == len(distinct)
+    warm = run_local(_dp2, 2)
+    assert all(r["misses"] == 0 and r["hits"] == len(distinct) for r in warm), [(r["hits"], r["misses"]) for r in warm]
+    monkeypatch.setenv("PIPER_INDUCTOR_CACHE", "0")  # every rank compiles for itself
+    alone = run_local(_dp2, 2)
+    assert all(set(r["segments"].values()) == {"off"} for r in alone)
+    for a, b, c in zip(cold, warm, alone):
+        assert a["losses"] == b["losses"] == c["losses"]
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a["params"], b["params"], c["params"]))
