@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -70,7 +69,6 @@ class Deferred:
         self.plan, self.choice = plan, choice
         self.replayer = Replayer(plan, model, choice.seed)
         self.keys: dict[int, str] = dict(plan.ids)  # id(tensor object) -> init key
-        self._model = weakref.ref(model)
 
     def key(self, t: torch.Tensor) -> str | None:
         return self.keys.get(id(t))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -40,7 +41,8 @@ class Replayer:
     """Fills pieces of a model's meta tensors with their init values (``seed``: every rank the same)."""
 
     def __init__(self, plan: InitPlan, model: nn.Module, seed: int) -> None:
-        self.plan, self.model, self.seed = plan, model, seed
+        self.plan, self.seed = plan, seed
+        self._model = weakref.ref(model)  # the training state keeps this: it must not keep the model alive
         self._calls: dict[int, dict[str, torch.Tensor]] = {}  # fallback call -> full values it left
         self._indices: dict[int, torch.Tensor] = {}  # id(view) -> its flat indices
 
@@ -153,7 +155,9 @@ class Replayer:
     def _run_call(self, call: Call) -> dict[str, torch.Tensor]:
         """Run a fallback call on full real CPU tensors of its module (each as the steps before it left
         it), with the global RNG seeded from the call; the full values it leaves, by key."""
-        mod = self.model.get_submodule(call.module)
+        model = self._model()
+        assert model is not None, "the model of a pending init was garbage collected"
+        mod = model.get_submodule(call.module)
         with swapped(mod, lambda t: self._real(t, call.index)) as keyed, _seeded(block_seed(self.seed, call.module, call.index, -1)):
             with torch.no_grad():
                 call.fn()
