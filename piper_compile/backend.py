@@ -404,12 +404,15 @@ class CompiledStep:
         if (not train) not in self.plans or not self.state.broadcast_done or self.state.pending:
             check.resolve()  # before this call creates process groups, broadcasts or loads anything
         plan = self.plan(forward_only=not train)
-        with torch.profiler.record_function("piper::initialize") if not self.state.first_call_done else _NULL:
+        first = not self.state.first_call_done
+        with torch.profiler.record_function("piper::initialize") if first else _NULL:
             if not self.state.broadcast_done:
                 self._first_values()
             self.state.shard()
             _check_resident(plan.reads, self.state, self.rank, "training program" if train else "forward-only program")
             self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
+        if first and self.state.deferred is not None:  # a meta model is initialized: its fallback values can go
+            self.state.deferred.replayer.clear()
         loss = plan.executor.run(list(args), check)
         if train:
             self._log_stats()
@@ -529,8 +532,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
         raise PiperError(f"piper: unexpected backend arguments {sorted(kwargs)}; pass settings in options={{...}}")
     reason = _recompile_reason()
     key = _graph_key(gm, example_inputs, options)
-    found = _SAME_GRAPH.get(key)
-    prior = found() if found is not None else None
+    prior = _SAME_GRAPH.get(key)
     if reason is not None and prior is not None and prior.joint is not None and prior.raw_options is options:
         _say_recompile(reason, reused=True)
         prior.reused_recompiles += 1
@@ -539,14 +541,14 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
         _say_recompile(reason, reused=False)
     step = CompiledStep(gm, example_inputs, options)
     step.recompile_reason = reason
-    _SAME_GRAPH[key] = weakref.ref(step)
+    _SAME_GRAPH[key] = step
     return step
 
 
 # (options dict, graph code, input types): the step made for it. A recompile whose new graph is the old one
 # -- transformers sets config.problem_type inside the first call, so Dynamo's guard on it fails once and
 # it traces the same ops again -- gets the existing step instead of a new capture, plan and compilation.
-_SAME_GRAPH: dict[tuple[Any, ...], "weakref.ref[CompiledStep]"] = {}
+_SAME_GRAPH: "weakref.WeakValueDictionary[tuple[Any, ...], CompiledStep]" = weakref.WeakValueDictionary()
 
 
 def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tuple[Any, ...]:

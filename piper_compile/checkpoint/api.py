@@ -111,7 +111,7 @@ def load(step: Any, path: str | os.PathLike[str], strict: bool = True) -> LoadRe
 def _load_hf(step: Any, module: Any, st: Any, path: str, strict: bool) -> LoadResult:
     """A Hugging Face safetensors directory (``checkpoint/hf.py``): the model's tensors, each rank reading
     its own pieces; now, or inside the first call when the step has not run yet."""
-    missing, unexpected, _ = hf.check(module, path, strict)
+    missing, unexpected, _, _ = hf.check(module, path, strict)
 
     def run(cs: Any) -> None:
         ctx = ctx_of(st, cs, module)

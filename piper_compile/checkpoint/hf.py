@@ -18,6 +18,7 @@ temporary sibling renamed into place at the end.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from typing import Any, Iterator
@@ -25,6 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from piper_compile.checkpoint.dcp_io import on_rank0
 from piper_compile.checkpoint.layout import Ctx, raw_state_dict
 from piper_compile.checkpoint.pieces import ShardPieces
 from piper_compile.errors import PiperError
@@ -77,7 +79,7 @@ def hf_keys(module: nn.Module) -> list[list[str]]:
     return [by_id[i] for i in order]
 
 
-def _expert_entries(pattern: str, value: Any, experts: int) -> Iterator[tuple[str, Any]]:
+def _expert_entries(pattern: str, value: Any) -> Iterator[tuple[str, Any]]:
     """Per-expert entries of a stacked ``[E, A, B]`` weight (``x @ w``: transformers stores each expert's
     ``[B, A]`` Linear weight), from a whole tensor or this rank's boxes of it."""
     boxes = value.local_tensors() if isinstance(value, ShardPieces) else [(torch.Size([0, 0, 0]), value)]
@@ -90,7 +92,6 @@ def _expert_entries(pattern: str, value: Any, experts: int) -> Iterator[tuple[st
     for e in sorted(per):
         full = per[e][0][1].shape == (shape[2], shape[1]) and len(per[e]) == 1
         yield pattern.format(e=e), per[e][0][1] if full else ShardPieces((shape[2], shape[1]), per[e])
-    assert len(per) <= experts
 
 
 def entries(ctx: Ctx) -> dict[str, Any]:
@@ -102,38 +103,31 @@ def entries(ctx: Ctx) -> dict[str, Any]:
     stacked = _stacked(ctx.module)
     out: dict[str, Any] = {}
     for key, v in _model_entries(ctx).items():
-        items = _expert_entries(stacked[key][0], v, stacked[key][1]) if key in stacked else [(key, v)]
+        items = _expert_entries(stacked[key][0], v) if key in stacked else [(key, v)]
         for k, value in items:
             out[k[len(prefix):] if k.startswith(prefix) else k] = value
     return out
 
 
-class _CountingReader:
-    """``HuggingFaceStorageReader`` counting the bytes of the slices it reads (made lazily: older torch
-    may lack the reader, and then only this feature is missing)."""
+def _counting_reader(path: str) -> Any:
+    """A ``HuggingFaceStorageReader`` that counts the bytes of the slices it reads (``bytes_read``)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    @staticmethod
-    def make(path: str) -> Any:
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
+    class Reader(HuggingFaceStorageReader):
+        bytes_read = 0
 
-        class Reader(HuggingFaceStorageReader):
-            bytes_read = 0
+        def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+            size = torch.empty((), dtype=self.storage_data[req.storage_index].dtype).element_size()
+            self.bytes_read += math.prod(int(n) for n in req.lengths) * size
+            super()._process_read_request(f, req, planner)
 
-            def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
-                n = 1
-                for length in req.lengths:
-                    n *= int(length)
-                item = self.storage_data[req.storage_index]
-                self.bytes_read += n * torch.empty((), dtype=item.dtype).element_size()
-                super()._process_read_request(f, req, planner)
-
-        return Reader(path)
+    return Reader(path)
 
 
-def check(module: nn.Module, path: str, strict: bool) -> tuple[list[str], list[str], Any]:
-    """(missing, unexpected, reader): the model's tensors the files lack (by their first name) and the
-    files' tensors the model lacks; raise when ``strict`` and either is non-empty, or on a shape mismatch."""
-    reader = _CountingReader.make(path)
+def check(module: nn.Module, path: str, strict: bool) -> tuple[list[str], list[str], Any, Any]:
+    """(missing, unexpected, reader, metadata): the model's tensors the files lack (by their first name)
+    and the files' tensors the model lacks; raise when ``strict`` and either is non-empty."""
+    reader = _counting_reader(path)
     md = reader.read_metadata().state_dict_metadata
     groups = hf_keys(module)
     missing = [g[0] for g in groups if not any(k in md for k in g)]
@@ -145,7 +139,7 @@ def check(module: nn.Module, path: str, strict: bool) -> tuple[list[str], list[s
                                                  f"unexpected {_some(unexpected)}" if unexpected else "") if w)
                          + ". Load the checkpoint of this model (names below the transformers model it contains), "
                          "or pass strict=False")
-    return missing, unexpected, reader
+    return missing, unexpected, reader, md
 
 
 def load(ctx: Ctx, path: str, strict: bool) -> None:
@@ -156,8 +150,7 @@ def load(ctx: Ctx, path: str, strict: bool) -> None:
     from piper_compile.checkpoint.state_dict import _after_model_load
 
     assert ctx.module is not None
-    _, _, reader = check(ctx.module, path, strict)
-    md = reader.read_metadata().state_dict_metadata
+    _, _, reader, md = check(ctx.module, path, strict)
     sd = {}
     for k, v in entries(ctx).items():
         if k not in md:
@@ -180,21 +173,20 @@ def save(ctx: Ctx, path: str, max_shard_mb: float = 2048) -> None:
     assert ctx.module is not None
     prefix, hf_model = hf_root(ctx.module)
     tmp = f"{os.fspath(path)}.tmp-hf"
-    if ctx.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+    on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)), f"preparing {tmp}")
     files: list[dict[str, str]] = []
     for chunk in _chunks(ctx, max_shard_mb * 2**20):
         values = full_values(ctx, set(chunk))
-        if ctx.rank == 0:
+
+        def write() -> dict[str, str]:
             tensors = _named(ctx, values, prefix, chunk)
             name = f"part-{len(files):05d}.safetensors"
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(tmp, name),
                       metadata={"format": "pt"})
-            files.append({k: name for k in tensors})
-    if ctx.rank == 0:
-        _finish(tmp, os.fspath(path), files, hf_model)
-    _barrier(ctx)
+            return {k: name for k in tensors}
+
+        files.append(on_rank0(write, f"writing {tmp}"))  # a failure on rank 0 is raised on every rank
+    on_rank0(lambda: _finish(tmp, os.fspath(path), files, hf_model), f"committing {path}")
 
 
 def _chunks(ctx: Ctx, limit: float) -> Iterator[list[str]]:
@@ -248,13 +240,6 @@ def _finish(tmp: str, path: str, files: list[dict[str, str]], hf_model: nn.Modul
         config.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
-
-
-def _barrier(ctx: Ctx) -> None:
-    import torch.distributed as dist
-
-    if ctx.world > 1 and dist.is_initialized():
-        dist.barrier()
 
 
 def _some(keys: list[str], n: int = 6) -> str:

@@ -20,6 +20,7 @@ builds the same values on one device.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -68,10 +69,14 @@ class Deferred:
     def __init__(self, model: nn.Module, plan: InitPlan, choice: InitChoice) -> None:
         self.plan, self.choice = plan, choice
         self.replayer = Replayer(plan, model, choice.seed)
-        self.keys: dict[int, str] = dict(plan.ids)  # id(tensor object) -> init key
 
     def key(self, t: torch.Tensor) -> str | None:
-        return self.keys.get(id(t))
+        """The init key of a stand-in (None for any other tensor)."""
+        return self.plan.ids.get(id(t))
+
+    def _left_for_load(self, t: torch.Tensor) -> bool:
+        """``init="checkpoint"``: parameters are written by ``piper.load``, not initialized."""
+        return self.choice.mode == "checkpoint" and isinstance(t, nn.Parameter)
 
     def fill_whole(self, t: torch.Tensor) -> None:
         """Give ``t`` (a stand-in) storage and its whole init value."""
@@ -82,9 +87,9 @@ class Deferred:
 
     def fill_flat(self, t: torch.Tensor, start: int, dest: torch.Tensor) -> None:
         """``dest`` (1-D) := elements ``[start, start + len)`` of ``t``'s init value (row-major)."""
-        key = self.keys[id(t)]
-        if self.choice.mode == "checkpoint" and isinstance(t, nn.Parameter):
-            return  # piper.load writes it
+        key = self.plan.ids[id(t)]
+        if self._left_for_load(t):
+            return
         if dest.is_contiguous() and dest.device.type == "cpu":
             self.replayer.fill(key, [(start, dest)])
             return
@@ -99,21 +104,13 @@ class Deferred:
         k = max((d for d in range(len(shape)) if offsets[d] != 0 or view.shape[d] != shape[d]), default=0)
         stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         runs = []
-        for index in _product(tuple(view.shape[:k])):
+        for index in itertools.product(*map(range, view.shape[:k])):
             start = sum((offsets[d] + index[d]) * stride[d] for d in range(k)) + offsets[k] * stride[k]
             runs.append((start, tmp[index].reshape(-1)))
-        if self.choice.mode != "checkpoint" or not isinstance(t, nn.Parameter):
-            self.replayer.fill(self.keys[id(t)], runs)
+        if self._left_for_load(t):
+            return
+        self.replayer.fill(self.plan.ids[id(t)], runs)
         view.copy_(tmp)
-
-
-def _product(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not sizes:
-        yield ()
-        return
-    for i in range(sizes[0]):
-        for rest in _product(sizes[1:]):
-            yield (i, *rest)
 
 
 def defer(model: nn.Module, device: Any, options: dict[str, Any] | None) -> Deferred | None:
@@ -156,6 +153,10 @@ def materialize_state(state: Any, buffers: dict[str, torch.Tensor], deferred: De
     values for what this rank holds -- whole parameters its programs read, its expert / tensor-parallel
     pieces (the full weight never gets storage) and every buffer. ZeRO-3 parameters wait for
     ``TrainState.shard``, which fills only the shard (``zero_fill``); other stages' weights get nothing."""
+    if deferred.choice.mode == "checkpoint" and not state.pending:
+        raise PiperError("piper: options['init']='checkpoint' leaves the parameters for piper.load, but no "
+                         "piper.load(step, path) was called before the first step; call it first, or use "
+                         "options['init']='module'")
     zero = state.zero.buckets.values() if state.zero is not None else ()
     zero3 = {f for b in zero if b.level >= 3 for f in b.fqns}
     with torch.no_grad():
@@ -172,10 +173,6 @@ def materialize_state(state: Any, buffers: dict[str, torch.Tensor], deferred: De
         for b in buffers.values():
             if deferred.key(b) is not None:
                 deferred.fill_whole(b)
-    if deferred.choice.mode == "checkpoint" and not state.pending:
-        raise PiperError("piper: options['init']='checkpoint' leaves the parameters for piper.load, but no "
-                         "piper.load(step, path) was called before the first step; call it first, or use "
-                         "options['init']='module'")
 
 
 def zero_fill(state: Any, deferred: Deferred) -> Callable[[str, int, torch.Tensor], None]:

@@ -14,6 +14,8 @@ its module when needed (``init/replay.py``), which is exact but materializes tha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -99,7 +101,7 @@ class InitPlan:
 
     programs: dict[str, list[Step]] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
-    names: dict[StorageWeakRef, str] = field(default_factory=dict)  # meta storage -> key
+    names: dict[StorageWeakRef, str] = field(default_factory=dict)  # a fake stand-in's storage -> key (recording)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     real: set[StorageWeakRef] = field(default_factory=set)  # the model's tensors that are not on meta
     ids: dict[int, str] = field(default_factory=dict)  # id(tensor object) -> key (kept across swap_tensors)
@@ -143,9 +145,16 @@ class _Recorder(TorchDispatchMode):
             return target  # a real tensor of a partly-meta model keeps the values it was built with
         if key is not None and inplace:
             self._record(func, name, key, target, args[1:], kwargs)
-        elif not func.is_view and func.namespace != "prim" and name not in METADATA and any(self._key(a) is not None for a in _tensors(args, kwargs)):
+        elif self._reads(func, name, args, kwargs):
             self.why = self.why or f"{func} reads a tensor being initialized"
         return func(*args, **kwargs)
+
+    def _reads(self, func: Any, name: str, args: Any, kwargs: dict) -> bool:
+        """Whether a non-inplace op reads the values of a tensor being initialized (views and metadata
+        queries do not)."""
+        if func.is_view or func.namespace == "prim" or name in METADATA:
+            return False
+        return any(self._key(a) is not None for a in _tensors(args, kwargs))
 
     def _record(self, func: Any, name: str, key: str, target: torch.Tensor, rest: tuple, kwargs: dict) -> None:
         if name not in RANDOM and name not in ELEMENTWISE:
@@ -175,10 +184,7 @@ def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
 
 def _view_of(t: torch.Tensor, shape: tuple[int, ...]) -> View | None:
     """None when ``t`` is the whole (contiguous) tensor in row-major order, else its elements."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    if t.storage_offset() == 0 and t.numel() == numel and t.is_contiguous():
+    if t.storage_offset() == 0 and t.numel() == math.prod(shape) and t.is_contiguous():
         return None
     return View(tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
@@ -257,7 +263,7 @@ def _append(plan: InitPlan, call: Call, rec: _Recorder) -> None:
     if not call.why:
         for key, op in rec.ops:
             prog = plan.programs[key]
-            prog.append(InitOp(op.func, op.view, op.args, op.kwargs, len(prog)))
+            prog.append(dataclasses.replace(op, index=len(prog)))
         return
     for key in sorted(rec.touched):
         plan.programs[key].append(Fallback(call.index))
@@ -272,7 +278,7 @@ def _check_covered(plan: InitPlan, init_fn: InitFn | None, keys: set[str]) -> No
         how = "init_fn" if init_fn is not None else "reset_parameters()"
         raise PiperError(
             f"piper: options['init']: {', '.join(bad[:4])}{more} are on the meta device and no {how} call sets all of "
-            "their values first (a meta tensor has no values to keep). Give options['init'] a function init_fn(module) "
+            "their values first (a meta tensor has no values to keep). Give options['init_fn'] a function init_fn(module) "
             "that sets them (piper applies it as model.apply(init_fn)), add reset_parameters() to their modules, or "
             "create those tensors off the meta device")
 
@@ -285,8 +291,10 @@ def _overwrites(op: InitOp) -> bool:
 
 @contextlib.contextmanager
 def swapped(mod: nn.Module, real: Any) -> Iterator[Any]:
-    """Every parameter and buffer slot of ``mod`` (recursively) holds a real CPU tensor while inside (a
-    tied tensor one shared object); yields a function returning the slots' values now, by key."""
+    """Every parameter and buffer slot of ``mod`` (recursively) holds ``real(t)``'s tensor instead of its own
+    ``t`` while inside (fake stand-ins for recording, full CPU values for a fallback call, storage-less
+    stand-ins for planning; a tied tensor gets one shared object); yields a function returning the keyed
+    slots' values now, by key."""
     made: dict[int, tuple[str | None, torch.Tensor]] = {}
     saved: list[tuple[dict[str, Any], str, Any]] = []
     slots: list[tuple[dict[str, Any], str, str | None]] = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import weakref
 from typing import Any, Iterator
 
@@ -47,10 +48,14 @@ class Replayer:
         self._indices: dict[int, torch.Tensor] = {}  # id(view) -> its flat indices
 
     def numel(self, key: str) -> int:
-        n = 1
-        for s in self.plan.shapes[key][0]:
-            n *= s
-        return n
+        return math.prod(self.plan.shapes[key][0])
+
+    def clear(self) -> None:
+        """Drop the cached fallback values and view indices (recomputed when asked for again): after the
+        first call's initialization the training state keeps this replayer, and a fallback module's full
+        values must not stay with it."""
+        self._calls.clear()
+        self._indices.clear()
 
     def fill(self, key: str, runs: list[Run]) -> None:
         """Write tensor ``key``'s init values into ``runs``."""
@@ -158,9 +163,9 @@ class Replayer:
         model = self._model()
         assert model is not None, "the model of a pending init was garbage collected"
         mod = model.get_submodule(call.module)
-        with swapped(mod, lambda t: self._real(t, call.index)) as keyed, _seeded(block_seed(self.seed, call.module, call.index, -1)):
-            with torch.no_grad():
-                call.fn()
+        seed = block_seed(self.seed, call.module, call.index, -1)
+        with swapped(mod, lambda t: self._real(t, call.index)) as keyed, _seeded(seed), torch.no_grad():
+            call.fn()
             return {key: t.detach().clone() for key, t in keyed().items()}
 
     def _real(self, t: torch.Tensor, call: int) -> tuple[str | None, torch.Tensor]:
