@@ -21,6 +21,7 @@ from torch import fx
 
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
+from piper_compile.codegen import warmup
 from piper_compile.codegen.compile import CompiledSegment
 from piper_compile.directives.spec import (
     Checkpoint, Replicate, activation_window, checkpoint_of, filter_matches, split_backward_filters,
@@ -541,6 +542,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
         _say_recompile(reason, reused=False)
     step = CompiledStep(gm, example_inputs, options)
     step.recompile_reason = reason
+    warmup.start_for(example_inputs, lambda: step.options.codegen)  # overlaps the first call's capture
     _SAME_GRAPH[key] = step
     return step
 

@@ -88,6 +88,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_INDUCTOR_CACHE", "flag", True, "compile segments through Inductor's on-disk FX graph cache: "
          "ranks running the same segment take turns, so one compiles it and the others load it, and a second run "
          "loads every segment (0: every rank compiles everything)"),
+    Knob("PIPER_REGIONAL", "flag", True, "regional compilation: a segment holding repeated blocks (the children "
+         "of one ModuleList, like a transformer's layers) is compiled block by block, so identical blocks compile "
+         "once (0: each segment is compiled as one graph)"),
     Knob("PIPER_FUSED_OPTIMIZER", "flag", True, "build piper's optimizer with fused=True where that is known "
          "to update like the default implementation"),
     Knob("PIPER_KEEP_HEAP", "flag", True, "on Linux CPU, tune glibc malloc so freed step memory is reused "

@@ -73,8 +73,9 @@ class StepMetrics:
     fallbacks: int = 0
     compile_s: float = 0.0
     recompiles: int = 0
-    cache_hits: int = 0  # segments loaded from Inductor's FX graph cache (another rank or run compiled them)
-    cache_misses: int = 0  # segments this rank compiled and wrote to the cache
+    cache_hits: int = 0  # graphs loaded from Inductor's FX graph cache (another rank or run compiled them)
+    cache_misses: int = 0  # graphs this rank compiled and wrote to the cache
+    reused: int = 0  # graphs that reused code compiled in this process (repeated blocks: codegen/regional.py)
 
     @property
     def tflops_per_s(self) -> float:
@@ -190,7 +191,7 @@ def metrics_of(cs: Any) -> StepMetrics:
                        stats.compute_s, stats.update_s, stats.comm_wait_s, stats.p2p_wait_s, mem, note,
                        len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
                        sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps),
-                       sum(1 for c in segs if c.cache == "hit"), sum(1 for c in segs if c.cache == "miss"))
+                       *(sum(c.outcomes.count(o) for c in segs) for o in ("hit", "miss", "reused")))
 
 
 def stats(step: Any) -> StepMetrics:

@@ -8,6 +8,10 @@ the same moment, each missing the cache. ``one_compiler`` makes them take turns 
 keyed by a hash of the same things, so the first rank compiles (a miss, written to the cache) and every
 other rank then loads the artifact (a hit). Different segments compile in parallel. A second run of the
 job finds every segment in the cache. ``outcome`` reads Inductor's counters to say which it was.
+
+Within one process, :func:`compile_once` keeps what it compiled by the same key, so a graph compiled
+again -- the next identical block of a segment cut by ``codegen/regional.py``, or the same stage's segment
+in another chunk -- reuses the function (the outcome "reused") without even loading it from disk.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
@@ -31,12 +35,52 @@ def cache_root() -> str:
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "torchinductor_piper")
 
 
+_COMPILED: dict[str, Callable[[list[Any]], Any]] = {}  # segment_key -> Inductor's function, this process
+
+
+def forget() -> None:
+    """Drop the functions compiled in this process (the on-disk cache stays)."""
+    _COMPILED.clear()
+
+
 def segment_key(static: fx.GraphModule, args: list[Any]) -> str:
-    """A hash of what the FX graph cache keys a segment by (its code, inputs, the torch version)."""
-    sig = [(tuple(a.shape), tuple(a.stride()), str(a.dtype), a.device.type) if isinstance(a, torch.Tensor) else repr(a)
+    """A hash of what the FX graph cache keys a segment by (its code, inputs, constants, the torch version)."""
+    sig = [(tuple(a.shape), tuple(a.stride()), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor) else repr(a)
            for a in args]
-    text = f"{torch.__version__}|{static.code}|{sig}"
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    h = hashlib.sha256(f"{torch.__version__}|{static.code}|{sig}".encode())
+    for node in static.graph.find_nodes(op="get_attr"):  # constants the graph holds: their values too
+        value = getattr(static, str(node.target), None)
+        if isinstance(value, torch.Tensor):
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True) -> tuple[Any, str]:
+    """(Inductor's function for ``static`` on inputs like ``args``, how it was had): "reused" (compiled in
+    this process already), else through the FX graph cache with ranks taking turns ("hit", "miss",
+    "bypass"), or "off" without the cache."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    key = segment_key(static, args)
+    if key in _COMPILED:
+        return _COMPILED[key], "reused"
+    if not use_cache:
+        compiled, how = compile_fx_inner(static, list(args)), "off"
+    else:
+        # A tracing context with a shape env lets Inductor's FX graph cache key the (static) graph.
+        # Fake example inputs: Inductor hashes a real tensor's values into the key (it takes it for a
+        # constant), so each rank's batch and weights would make a key of its own.
+        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        with one_compiler(key), tracing(TracingContext(mode)):
+            before = counts()
+            compiled = compile_fx_inner(static, fakes)
+            how = outcome(before, counts())
+    _COMPILED[key] = compiled
+    return compiled, how
 
 
 @contextlib.contextmanager

@@ -12,15 +12,22 @@ import warnings
 from typing import Any, Callable
 
 import torch
-from piper_compile.codegen import cache
+from piper_compile.codegen import cache, regional, warmup
 from piper_compile.knobs import knob
 from torch import fx
 
 Signature = tuple[Any, ...]
+_TRACED: dict[tuple[str, Signature], Any] = {}  # (structure_key, input signature) -> Inductor's function
+
+
+def forget_compiled() -> None:
+    """Drop the functions kept for reuse in this process (tests that need a fresh compile)."""
+    _TRACED.clear()
+    cache.forget()
 
 
 def _signature(args: list[Any]) -> Signature:
-    return tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
+    return tuple((tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device)) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 class CompiledSegment:
@@ -37,53 +44,67 @@ class CompiledSegment:
         self.fallback: str | None = None  # why Inductor failed, when this segment runs eagerly instead
         self.fallback_op: str | None = None  # the op Inductor failed on, when the error names one
         self.fallback_source: str | None = None  # the user's source line that op came from
-        self.cache = ""  # Inductor's FX graph cache: "hit", "miss" (compiled here), "bypass" or "off"
+        self.outcomes: list[str] = []  # per graph compiled: "hit", "miss", "reused", "bypass" or "off"
+        self.pieces = 1  # graphs the segment was cut into (codegen/regional.py: one per repeated block)
 
     def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
         if self.mode == "eager":
             return lambda a: self.gm(*a)
+        pieces = regional.cut(self.gm) if knob("PIPER_REGIONAL") else None
+        if pieces is None:
+            return self._compile_graph(self.gm, args, "")
+        self.pieces = len(pieces.pieces)
+        return regional.Runner(pieces, self._compile_graph)
+
+    def _compile_graph(self, gm: fx.GraphModule, args: list[Any], part: str) -> Callable[[list[Any]], Any]:
+        """Inductor's function for ``gm`` (the segment, or its piece ``part``) on ``args``; ``gm`` run
+        eagerly, with a warning, when Inductor fails."""
         t0 = time.perf_counter()
+        same = (regional.structure_key(gm), _signature(args))
+        if same in _TRACED:  # a graph like this one (another block, or segment) on inputs like these
+            self.outcomes.append("reused")
+            self.compile_seconds += time.perf_counter() - t0
+            return _TRACED[same]
         try:
-            compiled = self._inductor(args)
+            compiled, outcome = self._inductor(gm, args)
+            self.outcomes.append(outcome)
+            _TRACED[same] = compiled
         except Exception as e:  # noqa: BLE001 - an Inductor bug must not stop training
-            self.fallback = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            self.fallback_op = culprit_op(e)
-            self.fallback_source = source_of(self.gm, self.fallback_op) if self.fallback_op else None
-            where = ""
-            if self.fallback_op:
-                where = f" at {self.fallback_op}" + (f", from {self.fallback_source}" if self.fallback_source else "")
-            warnings.warn(f"piper: Inductor could not compile segment {self.name} ({self.fallback}){where}; running "
-                          "it eagerly (numerics unchanged; counted in piper.stats(step).fallbacks; set "
-                          "codegen='eager' to silence)", stacklevel=2)
-            return lambda a: self.gm(*a)
+            self._fell_back(gm, e, part)
+            return lambda a: gm(*a)
         finally:
             self.compile_seconds += time.perf_counter() - t0
         return compiled  # boxed: it clears the list and frees each input after its last use
 
-    def _inductor(self, args: list[Any]) -> Any:
-        from torch._guards import TracingContext, tracing
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.proxy_tensor import make_fx
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    def _fell_back(self, gm: fx.GraphModule, e: Exception, part: str) -> None:
+        self.fallback = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        self.fallback_op = culprit_op(e)
+        self.fallback_source = source_of(gm, self.fallback_op) if self.fallback_op else None
+        where = f" (piece {part})" if part else ""
+        if self.fallback_op:
+            where += f" at {self.fallback_op}" + (f", from {self.fallback_source}" if self.fallback_source else "")
+        warnings.warn(f"piper: Inductor could not compile segment {self.name} ({self.fallback}){where}; running "
+                      "it eagerly (numerics unchanged; counted in piper.stats(step).fallbacks; set "
+                      "codegen='eager' to silence)", stacklevel=3)
 
+    @property
+    def cache(self) -> str:
+        """Inductor's FX graph cache for this segment: "miss" (a graph of it was compiled here), "hit"
+        (loaded), "reused" (every graph's code was compiled in this process already), "bypass" or "off"."""
+        for outcome in ("miss", "hit", "bypass", "off", "reused"):
+            if outcome in self.outcomes:
+                return outcome
+        return ""
+
+    def _inductor(self, gm: fx.GraphModule, args: list[Any]) -> tuple[Any, str]:
+        """(compiled function, cache outcome) of ``gm`` traced for ``args``' concrete shapes."""
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        warmup.wait()
         with torch.no_grad():
-            static = make_fx(self.gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-            if not knob("PIPER_INDUCTOR_CACHE"):
-                self.cache = "off"
-                return compile_fx_inner(static, list(args))
-            # A tracing context with a shape env lets Inductor's FX graph cache key the (static) graph;
-            # ranks running the same segment take turns (codegen/cache.py): one compiles, the rest load.
-            # Fake example inputs: Inductor hashes a real tensor's values into the key (it takes it for a
-            # constant), so each rank's batch and weights would make a key of its own.
-            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-            fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-            with cache.one_compiler(cache.segment_key(static, args)), tracing(TracingContext(mode)):
-                before = cache.counts()
-                compiled = compile_fx_inner(static, fakes)
-                self.cache = cache.outcome(before, cache.counts())
-        return compiled
+            static = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+            return cache.compile_once(static, args, use_cache=bool(knob("PIPER_INDUCTOR_CACHE")))
 
     def __call__(self, args: list[Any], key: Any = None) -> list[Any]:
         """Run on ``args`` (the list is consumed: Inductor code clears it and drops each input after its

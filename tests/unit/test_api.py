@@ -99,12 +99,13 @@ def test_explain_lists_program():
 
 
 def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch):
-    from piper_compile.codegen.compile import CompiledSegment
+    from piper_compile.codegen.compile import CompiledSegment, forget_compiled
 
-    def broken(self, args):
+    def broken(self, gm, args):
         raise AssertionError("simulated Inductor bug")
 
     monkeypatch.setattr(CompiledSegment, "_inductor", broken)
+    forget_compiled()  # an earlier test may have compiled the same graph in this process
     model = build_model("mlp")
     ref = copy.deepcopy(model)
     step = _compile(model, codegen="inductor", directives=[piper.split(2)])
@@ -121,16 +122,17 @@ def test_an_inductor_fallback_names_the_op_and_the_source_line(monkeypatch, how)
     from torch._inductor.exc import InductorError, LoweringException
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from piper_compile.codegen.compile import CompiledSegment
+    from piper_compile.codegen.compile import CompiledSegment, forget_compiled
 
     tanh = torch.ops.aten.tanh.default
 
-    def broken(self, args):
+    def broken(self, gm, args):
         if how == "lowering":  # as Inductor reports a lowering that failed
             raise InductorError(LoweringException(RuntimeError("no lowering"), tanh, [], {}), None)
         raise DataDependentOutputException(tanh)
 
     monkeypatch.setattr(CompiledSegment, "_inductor", broken)
+    forget_compiled()  # an earlier test may have compiled the same graph in this process
     model = build_model("mlp")
     step = _compile(model, codegen="inductor")
     with pytest.warns(UserWarning, match=r"segment F.all .*at aten\.tanh\.default, from .*models\.py:\d+ in forward: "
