@@ -3,7 +3,9 @@ as the graph and DAG passes (``passes/driver.py``): run in ``CUT_PASSES`` order 
 timed (``Cuts.timings``), the pieces dumped after each with ``PIPER_DEBUG=1``, the optional ones
 skippable by name with ``PIPER_SKIP_PASSES`` (debugging only).
 
-* ``regions``: every node's region and pass (``capture/regions.py``); one piece per (pass, region).
+* ``regions``: every node's region and pass (``capture/regions.py``); one piece per (pass, region). A
+  gradient summed from parts of regions placed on different device groups (a tied weight) becomes one
+  output per region (``capture/grad_parts.py``).
 * ``split_backward``: the backward of regions a split-backward schedule names is cut into BI and BW.
 * ``bucket_chunks``: backward (or BW) pieces cut at gradient bucket boundaries (each region's
   ``replicate`` bucket size); under ZeRO-3 also where a piece starts reading another bucket.
@@ -25,6 +27,7 @@ from typing import Any, Callable
 from torch import fx
 
 from piper_compile.pass_runner import run_pass, skipped_passes
+from piper_compile.capture.grad_parts import placement, split_grad_parts
 from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region, assign_regions, boundary_kind, param_derived
 from piper_compile.capture.checkpointing import demote_zero3, owners, plan_checkpoint
@@ -67,8 +70,10 @@ class Cuts:
 
 
 def regions_pass(cuts: Cuts) -> None:
+    cuts.region, cuts.passes = assign_regions(cuts.joint.gm, cuts.defer_forward_only)
+    # a tied weight on several stages: one gradient part per stage (on a copy of the joint graph)
+    cuts.joint = split_grad_parts(cuts.joint, cuts.region, cuts.passes, placement(cuts.window.places))
     gm = cuts.joint.gm
-    cuts.region, cuts.passes = assign_regions(gm, cuts.defer_forward_only)
     cuts.derived = param_derived(gm, cuts.joint)
     for n in gm.graph.nodes:
         if n.op not in ("placeholder", "output") and n.name not in cuts.derived:

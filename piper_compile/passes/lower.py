@@ -6,7 +6,8 @@ from collections import defaultdict
 
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, make_tags
-from piper_compile.ir.ops import GradReduce, LossReduce, NormReduce, ParamGather, Recv, Send, TpCollective, Update
+from piper_compile.ir.ops import (GradReduce, LossReduce, NormReduce, ParamGather, Recv, RecvPart, Send, TpCollective,
+                                  Update)
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.expert import lower_expert_parallel
 from piper_compile.passes.tensor_parallel import dp_subgroups, lower_tensor_parallel
@@ -182,6 +183,37 @@ def _sync_per_microbatch(dag: TrainingDAG, name: str, group: tuple[int, ...], st
     return nodes
 
 
+def _exchange_parts(dag: TrainingDAG, writers: dict[str, list[Node]], index: dict[str, int]) -> None:
+    """A gradient written in parts on several device groups (a tied weight, ``capture/grad_parts.py``):
+    each group accumulates its part over the micro-batches; once per step, after its last writer, every
+    other group sends its (local, unreduced) part to the group whose writers finish last, which adds each
+    in (``RecvPart``, after its own writers, in group order) before reducing it over its replicas; the
+    finished gradient then goes back to the holders as any tied gradient does. ``writers`` keeps only
+    that group's writers, plus the part receives (they write the gradient too).
+
+    The finished gradient comes back into the buffer the part was sent from, with no order edge from the
+    part's SEND (waiting for it before posting the receive would block the host until the root's last
+    backward, which may need this rank's later activation gradients): it can only arrive after the root
+    received the part, so the send has read the buffer by then."""
+    for fqn, ws in list(writers.items()):
+        by_group: dict[tuple[int, ...], list[Node]] = defaultdict(list)
+        for w in ws:
+            by_group[w.devices].append(w)
+        if len(by_group) < 2:
+            continue
+        root = max(by_group, key=lambda g: max(index[w.name] for w in by_group[g]))
+        writers[fqn] = list(by_group[root])
+        for src in sorted(set(by_group) - {root}):
+            msg = f"part:{fqn}.{group_label(src)}>{group_label(root)}"
+            send = dag.add(Node(f"SEND.{msg}", Send(msg, root, state=fqn), (), src, P2P_GRAD))
+            recv = dag.add(Node(f"RECV.{msg}", RecvPart(msg, src, state=fqn), (), root, P2P_GRAD))
+            for w in by_group[src]:
+                dag.add_order(w.name, send.name)
+            for w in writers[fqn]:  # own writers and earlier groups' parts first: one summation order
+                dag.add_order(w.name, recv.name)
+            writers[fqn].append(recv)
+
+
 def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     """Bucketed gradient reduction per replicated group (once per step, after the bucket's last
     backward): ALL_REDUCE, or REDUCE_SCATTER for ZeRO-2/3; tied-gradient SEND/RECV to the other
@@ -193,11 +225,11 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     held = holders(dag)
     layout = zero_layout(dag, ctx)
     index = {name: i for i, name in enumerate(dag.nodes)}
+    _exchange_parts(dag, writers, index)
+    index = {name: i for i, name in enumerate(dag.nodes)}
     by_group: dict[tuple[int, ...], list[str]] = defaultdict(list)
     for fqn, ws in writers.items():
-        groups = {w.devices for w in ws}
-        assert len(groups) == 1, (fqn, groups)
-        by_group[next(iter(groups))].append(fqn)
+        by_group[ws[0].devices].append(fqn)
     ready_after: dict[str, list[str]] = {}  # fqn -> nodes after which its final gradient is ready
     update_deps: dict[tuple[int, ...], list[str]] = defaultdict(list)
     ep = dag.meta.ep_params

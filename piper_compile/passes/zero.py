@@ -86,6 +86,10 @@ def _layout(dag: TrainingDAG, ctx: PassContext) -> dict[tuple[int, ...], ZeroGro
                                                    subgroups=dp_subgroups(tp) if tp else None))
         # expert shards stay local; sequence-parallel partial gradients are summed over the whole group
         fqns = [f for _, f in seg.grads if f not in dag.meta.ep_params and f not in ctx.tp_partial]
+        # a gradient written in parts by several segments of one group (capture/grad_parts.py splits only
+        # across groups, but the place pass decides): in the first one's bucket; its reduction waits for all
+        placed = set(g.whole) | {f for _, b in g.buckets for f in b}
+        fqns = [f for f in fqns if f not in placed]
         g.whole += [f for f in fqns if len(held.get(f, ())) > 1]
         sharded = tuple(f for f in fqns if len(held.get(f, ())) <= 1)
         if sharded:

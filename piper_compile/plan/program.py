@@ -96,8 +96,9 @@ def _peer(node: Node, rank: int) -> int | None:
 
 def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     """This rank's instructions: the global order restricted to the rank, with each RECV posted one
-    compute step before its first consumer, and RECVs from one peer on one stream posted in the order
-    that peer sends them (point-to-point messages of a rank pair match in order on NCCL and gloo)."""
+    compute step before its first consumer (never before its own predecessors), and RECVs from one peer
+    on one stream posted in the order that peer sends them (point-to-point messages of a rank pair match
+    in order on NCCL and gloo)."""
     glob = schedule_order(dag)
     gpos = {n: i for i, n in enumerate(glob)}
     order = [dag.nodes[n] for n in glob if rank in dag.nodes[n].devices and dag.nodes[n].kind is not Kind.RECV]
@@ -118,6 +119,8 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
             if order[j].kind is Kind.COMPUTE:
                 at = j
                 break
+        # never before its own predecessors (a gradient receive ordered after the writers of that gradient)
+        at = max([at] + [pos[p] + 1 for p in preds[n.name] if p in pos])
         channels[(n.stream, _peer(n, rank))].append((gpos[send_of[n.op.msg]], at, n))  # type: ignore[attr-defined]
     inserts: list[tuple[int, int, Node]] = []
     for chan in channels.values():

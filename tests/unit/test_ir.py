@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from piper_compile.ir.dag import Kind, Node, TrainingDAG, format_tags, make_tags, parse_dag, parse_node
 from piper_compile.ir.meta import DagMeta, ExpertShard, TensorParallelSpec, ZeroGroup
 from piper_compile.ir.ops import (OPS, ExpertA2A, ExpertCounts, ExpertStep, GradReduce, LossReduce, NormReduce,
-                                  ParamGather, Recv, Segment, Send, SequenceChunk, TpCollective, Update)
+                                  ParamGather, Recv, RecvPart, Segment, Send, SequenceChunk, TpCollective,
+                                  Update)
 
 _SEG = Segment("seg")
 _OPS_SAMPLE = [_SEG, Segment("F.PP0", "0", loss="l"), Send("m", (1,)), Recv("m", (0,), ("s0", 2), "float32"),
@@ -31,6 +32,8 @@ def _all_kinds_dag() -> TrainingDAG:
                         ("tanh@mb0",), ()))
     recv = dag.add(Node("RECV.tanh@mb0>r1", Recv("tanh@mb0>r1", (0,), ("s77", "32"), "float32", mb=0), f0.tags,
                         (1,), "pp_fwd", (), ("tanh@mb0>r1",)))
+    dag.add(Node("SEND.part:w.r1>r0", Send("part:w.r1>r0", (0,), state="w"), (), (1,), "pp_grad"))
+    dag.add(Node("RECV.part:w.r1>r0", RecvPart("part:w.r1>r0", (1,), state="w"), (), (0,), "pp_grad"))
     b1 = dag.add(Node("B.PP1.mb0", Segment("B.PP1", "1"), make_tags({"PP": 1, "MB": 0, "PASS": "B"}), (1,),
                       "compute", ("tanh@mb0>r1", "tangent"), ("g@mb0",), _attrs(mb=0)))
     ar = dag.add(Node("AR.r0_1.b0", GradReduce("b0", ("a.weight", "a.bias")), make_tags({"BUCKET": 0}), (0, 1),

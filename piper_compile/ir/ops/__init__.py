@@ -10,12 +10,12 @@ from piper_compile.ir.ops.base import LOSS, GroupKey, Op, QueueKey
 from piper_compile.ir.ops.compute import ExpertStep, Local, Segment, SequenceChunk
 from piper_compile.ir.ops.expert import ExpertA2A, ExpertCounts
 from piper_compile.ir.ops.grad import GradReduce, LossReduce, NormReduce, Update
-from piper_compile.ir.ops.p2p import Recv, Send, p2p_channel
+from piper_compile.ir.ops.p2p import Recv, RecvPart, Send, p2p_channel
 from piper_compile.ir.ops.params import ParamGather
 from piper_compile.ir.ops.tensor_parallel import TpCollective
 
 OPS: dict[str, type[Op]] = {cls.NAME: cls for cls in (
-    Segment, ExpertStep, SequenceChunk, Send, Recv, GradReduce, LossReduce, NormReduce, Update, ParamGather,
+    Segment, ExpertStep, SequenceChunk, Send, Recv, RecvPart, GradReduce, LossReduce, NormReduce, Update, ParamGather,
     TpCollective, ExpertCounts, ExpertA2A)}
 
 
@@ -28,5 +28,5 @@ def op_from_fields(name: str, fields: dict[str, Any]) -> Op:
 
 
 __all__ = ["LOSS", "OPS", "ExpertA2A", "ExpertCounts", "ExpertStep", "GradReduce", "GroupKey", "Local", "LossReduce",
-           "NormReduce", "Op", "ParamGather", "QueueKey", "Recv", "Segment", "Send", "SequenceChunk", "TpCollective",
+           "NormReduce", "Op", "ParamGather", "QueueKey", "Recv", "RecvPart", "Segment", "Send", "SequenceChunk", "TpCollective",
            "Update", "op_from_fields", "p2p_channel"]

@@ -1,5 +1,7 @@
-"""Point-to-point steps: an activation (or its gradient) crossing from one device group to another, or a
-tied parameter's finished gradient sent to the other groups that hold the parameter (``state``).
+"""Point-to-point steps: an activation (or its gradient) crossing from one device group to another, a
+tied parameter's finished gradient sent to the other groups that hold the parameter (``state``), or
+(once per step) a holder's accumulated part of that gradient sent to the holder that completes it
+(``RecvPart`` adds it in).
 
 A SEND/RECV pair is SPMD over two groups of equal size: the i-th rank of the sender's group sends to the
 i-th rank of the receiver's (``dst``/``src`` give the peers in device order). Each direction of a rank
@@ -114,4 +116,26 @@ class Recv(PointToPoint):
             buf = torch.empty(shape, dtype=getattr(torch, self.dtype), device=rt.device)
             rt.put(ins.node.outputs[0], buf)
         rt.issue(ins, pos, comm.irecv(buf, ins.peer, rt.p2p_group(ins)))
+        rt.stats.p2p += 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecvPart(Recv):
+    """Receive another holder's part of parameter ``state``'s gradient (its micro-batches summed) and add
+    it into this rank's gradient when the receive completes (waited for before the gradient is reduced
+    or read). Lowering orders it after this rank's own writers of that gradient, so the sum is always
+    (own part) + (received part), whatever the timing."""
+
+    NAME = "recv_part"
+
+    def start(self, rt: Any, ins: "Instr", pos: int) -> None:
+        import torch
+
+        from piper_compile.runtime import comm
+
+        assert self.state is not None
+        own = rt.grads.view(self.state)
+        buf = torch.empty_like(own)
+        rt.issue(ins, pos, comm.irecv(buf, ins.peer, rt.p2p_group(ins)))
+        rt.on_finish(ins.node.name, lambda: rt.grads.accumulate(self.state, buf))
         rt.stats.p2p += 1
