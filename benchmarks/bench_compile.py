@@ -13,6 +13,10 @@ during it (compilation is CPU work; on 2 shared cores ranks compiling at once sl
     piper PP2xDP2 Z3  pipeline(2) x replicate(zero=3), 4 ranks
     piper DualPipeV   dualpipe_v(2, 4), 2 ranks
 
+Each piper variant compiles repeated blocks once (regional compilation, ``codegen/regional.py``); with
+``--whole`` it also runs with ``PIPER_REGIONAL=0`` (each segment one graph). ``step ms`` is the mean of
+the next 5 steps of the warm run (the slowest rank): what regional compilation costs at run time.
+
 Targets (issue 19): cold first step <= 1.5x single-process torch.compile; warm <= 20% of cold; 32 layers
 <= 1.5x 8 layers (repeated blocks compile once).
 
@@ -39,6 +43,8 @@ from piper_compile.testing.launch import run_local  # noqa: E402
 from piper_compile.testing.models import GPT, GPTConfig  # noqa: E402
 
 VARIANTS = ("torch.compile", "DDP2", "piper DP2", "piper PP2 1F1B", "piper PP2xDP2 Z3", "piper DualPipeV")
+WHOLE = " (whole)"  # the same piper variant with PIPER_REGIONAL=0: every segment compiled as one graph
+STEADY = 5  # steps timed after the first (the steady step time, from the warm run)
 WORLD = {"torch.compile": 1, "DDP2": 2, "piper DP2": 2, "piper PP2 1F1B": 2, "piper PP2xDP2 Z3": 4,
          "piper DualPipeV": 2}
 
@@ -66,7 +72,7 @@ def _directives(variant: str) -> tuple[list[Any], int]:
 
 
 def _worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
-    variant = job["variant"]
+    variant = job["variant"].removesuffix(WHOLE)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**job["model"]))
     x, y = model.make_batch(job["batch"], torch.Generator().manual_seed(0))
@@ -77,10 +83,15 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
             from torch.nn.parallel import DistributedDataParallel
 
             net = DistributedDataParallel(model)
-        step = torch.compile(net)
+        compiled = torch.compile(net)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step(x, y).backward()
-        opt.step()
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            compiled(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step(x, y)
     else:
         import piper_compile as piper
 
@@ -89,16 +100,23 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
             model.annotate_stages(stages)
         step = piper.compile(model, directives=directives, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
         step(x, y)
-    return {"wall": time.perf_counter() - t0, "cpu": _cpu() - c0}
+    first, cpu = time.perf_counter() - t0, _cpu() - c0
+    t1 = time.perf_counter()
+    for _ in range(STEADY):
+        step(x, y)
+    return {"wall": first, "cpu": cpu, "step": (time.perf_counter() - t1) / STEADY}
 
 
-def _run(variant: str, job: dict[str, Any], cache: str) -> tuple[float, float] | str:
+def _run(variant: str, job: dict[str, Any], cache: str) -> tuple[float, float, float] | str:
+    """(first step wall s of the slowest rank, CPU s of all ranks, steady step s) or why it failed."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # run_local hands the environment to the ranks
+    os.environ["PIPER_REGIONAL"] = "0" if variant.endswith(WHOLE) else "1"
     try:
-        res = run_local(_worker, WORLD[variant], {**job, "variant": variant}, timeout_s=job["timeout"])
+        res = run_local(_worker, WORLD[variant.removesuffix(WHOLE)], {**job, "variant": variant},
+                        timeout_s=job["timeout"])
     except Exception as e:  # noqa: BLE001 - report and go on
         return f"{type(e).__name__}: {str(e)[-300:]}"
-    return max(r["wall"] for r in res), sum(r["cpu"] for r in res)
+    return max(r["wall"] for r in res), sum(r["cpu"] for r in res), max(r["step"] for r in res)
 
 
 def main() -> None:
@@ -111,11 +129,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--whole", action="store_true", help="also run each piper variant without regional compilation")
     a = p.parse_args()
+    if a.whole:
+        a.variants = [v for var in a.variants for v in ([var, var + WHOLE] if var.startswith("piper") else [var])]
     print(f"bench_compile: GPT dim={a.dim} heads={a.heads} seq={a.seq} vocab={a.vocab}, batch {a.batch}/rank, AdamW; "
           f"torch {torch.__version__}, piper {piper_revision()}, {load_note()}")
-    print(f"{'variant':18} {'layers':>6} {'cold s':>8} {'cpu s':>8} {'warm s':>8} {'cpu s':>8} {'warm/cold':>9} "
-          f"{'cold / torch.compile':>21}")
+    print(f"{'variant':26} {'layers':>6} {'cold s':>8} {'cpu s':>8} {'warm s':>8} {'cpu s':>8} {'warm/cold':>9} "
+          f"{'cold / torch.compile':>21} {'step ms':>8}")
     base: dict[int, float] = {}
     cold_by: dict[tuple[str, int], float] = {}
     for layers in a.layers:
@@ -128,20 +149,20 @@ def main() -> None:
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
             if isinstance(cold, str) or isinstance(warm, str):
-                print(f"{variant:18} {layers:6} FAILED: {cold if isinstance(cold, str) else warm}")
+                print(f"{variant:26} {layers:6} FAILED: {cold if isinstance(cold, str) else warm}")
                 continue
             if variant == "torch.compile":
                 base[layers] = cold[0]
             cold_by[(variant, layers)] = cold[0]
             ratio = f"{cold[0] / base[layers]:.2f}x" if layers in base else "-"
-            print(f"{variant:18} {layers:6} {cold[0]:8.1f} {cold[1]:8.1f} {warm[0]:8.1f} {warm[1]:8.1f} "
-                  f"{warm[0] / cold[0]:9.2f} {ratio:>21}")
+            print(f"{variant:26} {layers:6} {cold[0]:8.1f} {cold[1]:8.1f} {warm[0]:8.1f} {warm[1]:8.1f} "
+                  f"{warm[0] / cold[0]:9.2f} {ratio:>21} {warm[2] * 1e3:8.1f}")
             sys.stdout.flush()
     if len(a.layers) > 1:
         lo, hi = min(a.layers), max(a.layers)
         for variant in a.variants:
             if (variant, lo) in cold_by and (variant, hi) in cold_by:
-                print(f"{variant:18} cold {hi} layers / {lo} layers: {cold_by[(variant, hi)] / cold_by[(variant, lo)]:.2f}x")
+                print(f"{variant:26} cold {hi} layers / {lo} layers: {cold_by[(variant, hi)] / cold_by[(variant, lo)]:.2f}x")
     print(f"after: {load_note()}")
 
 

@@ -43,11 +43,19 @@ def forget() -> None:
     _COMPILED.clear()
 
 
+def settings() -> str:
+    """What else decides Inductor's code: its configuration and torch's deterministic mode."""
+    import torch._inductor.config as inductor_config
+
+    text = repr(sorted(inductor_config.save_config_portable().items())) + str(torch.are_deterministic_algorithms_enabled())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def segment_key(static: fx.GraphModule, args: list[Any]) -> str:
     """A hash of what the FX graph cache keys a segment by (its code, inputs, constants, the torch version)."""
     sig = [(tuple(a.shape), tuple(a.stride()), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor) else repr(a)
            for a in args]
-    h = hashlib.sha256(f"{torch.__version__}|{static.code}|{sig}".encode())
+    h = hashlib.sha256(f"{torch.__version__}|{settings()}|{static.code}|{sig}".encode())
     for node in static.graph.find_nodes(op="get_attr"):  # constants the graph holds: their values too
         value = getattr(static, str(node.target), None)
         if isinstance(value, torch.Tensor):

@@ -17,7 +17,7 @@ from piper_compile.knobs import knob
 from torch import fx
 
 Signature = tuple[Any, ...]
-_TRACED: dict[tuple[str, Signature], Any] = {}  # (structure_key, input signature) -> Inductor's function
+_TRACED: dict[tuple[str, Signature, str], Any] = {}  # (structure_key, inputs, settings) -> Inductor's function
 
 
 def forget_compiled() -> None:
@@ -60,7 +60,7 @@ class CompiledSegment:
         """Inductor's function for ``gm`` (the segment, or its piece ``part``) on ``args``; ``gm`` run
         eagerly, with a warning, when Inductor fails."""
         t0 = time.perf_counter()
-        same = (regional.structure_key(gm), _signature(args))
+        same = (regional.structure_key(gm), _signature(args), cache.settings())
         if same in _TRACED:  # a graph like this one (another block, or segment) on inputs like these
             self.outcomes.append("reused")
             self.compile_seconds += time.perf_counter() - t0
