@@ -153,10 +153,9 @@ def cut(gm: fx.GraphModule) -> Cut | None:
         return None
     for a in crossing:
         _export(a, slot, owner, builders)
-    keys = [graph_key(b.g, gm) for b in builders]
-    if len(set(keys)) == len(keys):
-        return None  # no two pieces alike: cutting would only add compilations
-    return _finish(gm, builders, runs, len(placeholders), slot, tuple(results))
+    done = _finish(gm, builders, runs, len(placeholders), slot, tuple(results))
+    keys = [structure_key(p.gm) for p in done.pieces]
+    return done if len(set(keys)) < len(keys) else None  # no two pieces alike: cutting only adds compilations
 
 
 def _export(a: fx.Node, slot: dict[fx.Node, int], owner: dict[fx.Node, int], builders: list[_Builder]) -> int:
@@ -175,8 +174,10 @@ def _finish(gm: fx.GraphModule, builders: list[_Builder], runs: list[_Run], inpu
             last[slot[a]] = i
     for s in results:
         last[s] = len(builders)  # the segment's outputs outlive every piece
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     pieces = []
     for i, (b, r) in enumerate(zip(builders, runs)):
+        b.exported.sort(key=position.__getitem__)  # graph order: alike blocks export alike
         b.g.output(tuple(b.env[a] for a in b.exported))
         b.g.lint()
         pieces.append(Piece(fx.GraphModule(gm, b.g), r.key, tuple(slot[a] for a in b.reads),
@@ -214,11 +215,6 @@ class _Builder:
 def structure_key(gm: fx.GraphModule) -> str:
     """A hash of ``gm``'s computation with node names left out: identical blocks give the same key, so a
     piece like one already compiled skips even its trace (with the same input signature)."""
-    return graph_key(gm.graph, gm)
-
-
-def graph_key(graph: fx.Graph, root: torch.nn.Module) -> str:
-    """:func:`structure_key` of ``graph``, whose constants (``get_attr``) are attributes of ``root``."""
     index: dict[fx.Node, int] = {}
     h = hashlib.sha256()
 
@@ -231,11 +227,11 @@ def graph_key(graph: fx.Graph, root: torch.nn.Module) -> str:
             return "{" + ",".join(f"{k}:{arg(v)}" for k, v in a.items()) + "}"
         return repr(a)
 
-    for i, n in enumerate(graph.nodes):
+    for i, n in enumerate(gm.graph.nodes):
         index[n] = i
         h.update(f"{n.op}|{n.target if n.op != 'placeholder' else ''}|{arg(n.args)}|{arg(n.kwargs)}\n".encode())
         if n.op == "get_attr":  # a constant: its value too
-            value = getattr(root, str(n.target), None)
+            value = getattr(gm, str(n.target), None)
             if isinstance(value, torch.Tensor):
                 h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             else:
