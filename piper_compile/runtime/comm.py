@@ -10,6 +10,7 @@ also stages CPU tensors (through plain host copies), so CPU tests run the same p
 """
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -129,7 +130,40 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
 
 
 def isend(t: torch.Tensor, dst: int, group: Any) -> Any:
-    return _run(lambda h: dist.isend(h, dst=dst, group=group), group, [t.contiguous()], [])
+    work = _run(lambda h: dist.isend(h, dst=dst, group=group), group, [t.contiguous()], [])
+    return Reaped(work) if dist.get_backend(group) == "gloo" else work
+
+
+class Reaped:
+    """A gloo send waited for by a thread of its own. gloo's send work reports ``is_completed()`` only once
+    waited on, and it keeps the sent tensor alive until it is dropped; so without this a send's tensor
+    lives until the executor waits for it at the end of the step (every activation a stage sends). The
+    thread drops the work as soon as the peer has the data; the executor sees ``is_completed()`` and
+    stops counting the tensor (``Executor._retire_sends``)."""
+
+    def __init__(self, work: Any) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._reap, args=(work,), daemon=True, name="piper-send").start()
+
+    def _reap(self, work: Any) -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # noqa: BLE001 - raised again to whoever waits
+            self._error = e
+        finally:
+            del work
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
 
 
 def irecv(buf: torch.Tensor, src: int, group: Any) -> Any:

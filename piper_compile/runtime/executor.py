@@ -283,9 +283,18 @@ class Executor:
         self.rec.step_end()
         return loss
 
+    def _retire_sends(self, step: Step) -> None:
+        """Finish the sends that completed (nothing waits for a send before the step ends): the library
+        drops the sent tensor only with its work, and the accounting counts it until then."""
+        done = [name for name, (work, ins, _) in step.pending.items()
+                if ins.node.kind is Kind.SEND and (work is None or work.is_completed())]
+        for name in done:
+            self._timed_wait(step, name)
+
     def _step(self, step: Step, pos: int, ins: Instr, ran_early: dict[int, bool]) -> None:
         """Instruction ``pos``: its reorderings, its waits, the op, the accounting and its frees."""
         n = ins.node
+        self._retire_sends(step)
         if n.kind is not Kind.COMPUTE or ins.waits:  # the first traffic of the call: after the check
             step.weights()
         if pos in ran_early:  # an overlap partner or filler that ran while an earlier step waited

@@ -78,6 +78,8 @@ class Step:
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight reduce-scatters whose owner let go
         self.finish: dict[str, Callable[[], None]] = {}  # what to do once a collective completes
         self._sending: dict[str, torch.Tensor] = {}  # what in-flight all-to-alls and TP collectives send
+        self.sent_by: dict[str, str] = {}  # value -> the SEND in flight with it (freed there: counted until done)
+        self._in_flight: dict[str, int] = {}  # SEND -> bytes of the freed value it still holds
         self.live = self.gathered = 0
         self.t0 = time.perf_counter()
 
@@ -136,8 +138,13 @@ class Step:
         self.live += nbytes
 
     def free(self, v: str) -> None:
+        """Drop value ``v``; one an in-flight SEND sends stays counted live until the send completes (the
+        communication library holds the tensor until then: ``done``)."""
         b = self.released.pop(v) if v in self.released else tensor_bytes(self.env.pop(v, None))
-        if v.startswith("param:"):
+        send = self.sent_by.pop(v, None)
+        if send is not None and send in self.pending:
+            self._in_flight[send] = self._in_flight.get(send, 0) + b
+        elif v.startswith("param:"):
             self.gathered -= b
         else:
             self.live -= b
@@ -186,6 +193,7 @@ class Step:
         """Collective ``name`` completed: drop what it kept alive."""
         self._keep.pop(name, None)
         self._sending.pop(name, None)
+        self.live -= self._in_flight.pop(name, 0)
 
     def note_grad_bytes(self, extra: torch.Tensor | None = None) -> None:
         if self.grads is None:

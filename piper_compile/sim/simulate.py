@@ -128,6 +128,7 @@ class _Sim:
         self.early: dict[int, set[int]] = {r: set() for r in self.ranks}
         self.need = {p.rank: needs(p) for p in programs if any(i.partner or i.fillers for i in p.instrs)}
         self.at = {r: self.by_rank[r].positions() for r in self.need}
+        self.began: dict[tuple[int, int], float] = {}  # (rank, position) -> when its communication started
         self.deferred: dict[int, float] = {}  # rank -> host time of a reordering decision it waits to make
         self.force: int | None = None  # the deferred rank that decides with unknown needs as incomplete
 
@@ -243,6 +244,7 @@ class _Sim:
             self.dirty_ranks.add(it.rank)  # a host waiting on this may move
             self.free_at[k] = end
             self.done[it.rank][it.ins.name] = end
+            self.began[(it.rank, it.pos)] = start
             self.spans.append(span_of(it.ins, it.rank, it.pos, it.start, end, issue_end=it.ready, wait_s=it.wait_s))
 
     def complete_heads(self) -> bool:
@@ -302,18 +304,38 @@ class _MemoryWalk:
     at_peak: list[tuple[str, int]] = field(default_factory=list)
 
 
+@dataclass
+class _Sending:
+    """Values only an in-flight SEND still holds, with when their transfer starts (``_memory``)."""
+
+    items: list[tuple[float, str]] = field(default_factory=list)
+
+    def retire(self, now: float, live: dict[str, int]) -> int:
+        """Drop from ``live`` what started moving before ``now`` (not at the step starting then: the
+        executor sees the send complete only after it); returns the bytes dropped."""
+        gone = [it for it in self.items if it[0] < now]
+        for it in gone:
+            self.items.remove(it)
+        return sum(live.pop(v, 0) for _, v in gone)
+
+
 def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
-            early: set[int] | frozenset[int] = frozenset()) -> _MemoryWalk:
+            early: set[int] | frozenset[int] = frozenset(),
+            began: dict[tuple[int, int], float] | None = None) -> _MemoryWalk:
     """Walk one rank's steps in the order the executor runs them (on the host, as ``Executor._run_early``):
     a step the simulation ran ahead (``early``: an overlap partner or filler, run while an earlier step
     waited) allocates before the step it ran during and frees at once what it frees, except values a step
     it jumped still reads (those at its own position); the peak is sampled after each step in program
-    order, before its frees."""
+    order, before its frees. A value freed at the SEND that sends it stays live until the transfer starts
+    (``began``: the peer posted its receive) and through the step the host runs next (the executor counts
+    it until it sees the send complete, before an instruction: ``Step.free``); the transfer itself counts
+    as instant."""
     live: dict[str, int] = {}
     gathered: dict[str, int] = {}
     total = [0, 0]  # live, gathered bytes
     out = _MemoryWalk()
     at_peak: dict[str, int] = {}
+    sending = _Sending()
 
     def alloc(ins: Instr) -> None:
         for v, b, is_param in ins.node.op.allocates(ins.node, sizes):  # the op's memory rule
@@ -321,19 +343,23 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             total[is_param] += b - held.get(v, 0)
             held[v] = b
 
-    def free(ins: Instr) -> None:
+    def free(ins: Instr, pos: int) -> None:
+        sent = began.get((program.rank, pos)) if began is not None and ins.node.kind is Kind.SEND else None
         for v in ins.frees:
-            is_param = v.startswith("param:")
-            total[is_param] -= (gathered if is_param else live).pop(v, 0)
+            if sent is not None and v in ins.node.inputs:
+                sending.items.append((sent, v))
+            else:
+                total[v.startswith("param:")] -= (gathered if v.startswith("param:") else live).pop(v, 0)
 
     ahead = sorted(early)  # not run yet, in program order
     early_done: set[int] = set()
     for pos, ins in enumerate(program.instrs):
         span = spans.get((program.rank, pos))
         if pos in early:  # allocated when it ran (below, before the step it ran during)
-            free(ins)
+            free(ins, pos)
             continue
         start = span.start if span is not None else float("inf")
+        total[0] -= sending.retire(start, live)
         for k in [k for k in ahead if k > pos and (program.rank, k) in spans and spans[(program.rank, k)].start <= start]:
             alloc(program.instrs[k])
             ahead.remove(k)
@@ -348,7 +374,7 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
         out.peak_gathered = max(out.peak_gathered, total[1])
         if span is not None:
             out.series.append((span.start, total[0]))
-        free(ins)
+        free(ins, pos)
         if span is not None:
             out.series.append((span.host_end, total[0]))
     out.at_peak = sorted(at_peak.items(), key=lambda kv: -kv[1])
@@ -469,7 +495,7 @@ def simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None =
     by_pos = {(s.rank, s.pos): s for s in sim.spans}
     peaks, timeline, params, grads, gathered, grad_peak, walks = {}, {}, {}, {}, {}, {}, {}
     for p in programs:
-        walks[p.rank] = w = _memory(p, sizes, by_pos, sim.early.get(p.rank, set()))
+        walks[p.rank] = w = _memory(p, sizes, by_pos, sim.early.get(p.rank, set()), sim.began)
         peaks[p.rank], timeline[p.rank], gathered[p.rank] = w.peak, w.series, w.peak_gathered
         params[p.rank], grads[p.rank] = state_bytes(p, sizes)
         grad_peak[p.rank] = _grad_peak(p, sizes, grads[p.rank])

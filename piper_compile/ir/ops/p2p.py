@@ -78,6 +78,8 @@ class Send(PointToPoint):
 
         t = rt.grads.view(self.state) if self.state else rt.get(ins.node.inputs[0])
         rt.issue(ins, pos, comm.isend(t, ins.peer, rt.p2p_group(ins)))
+        if not self.state:  # the value stays counted live until the send completes (``Step.free``)
+            rt.sent_by[ins.node.inputs[0]] = ins.node.name
         rt.stats.p2p += 1
 
 
