@@ -22,7 +22,7 @@ from torch import fx
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import warmup
-from piper_compile.codegen.compile import CompiledSegment
+from piper_compile.codegen.compile import CompiledSegment, precompile
 from piper_compile.directives.spec import (
     Checkpoint, Replicate, activation_window, checkpoint_of, filter_matches, split_backward_filters,
 )
@@ -412,6 +412,9 @@ class CompiledStep:
             self.state.shard()
             _check_resident(plan.reads, self.state, self.rank, "training program" if train else "forward-only program")
             self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
+            if first:  # every segment this rank runs, before it waits on a peer
+                precompile(self.compiled, self.joint.symbol_values(args, record.batch // plan.executor.m),
+                           self.state.device, self.rank)
         if first and self.state.deferred is not None:  # a meta model is initialized: its fallback values can go
             self.state.deferred.replayer.clear()
         loss = plan.executor.run(list(args), check)

@@ -91,6 +91,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_REGIONAL", "flag", True, "regional compilation: a segment holding repeated blocks (the children "
          "of one ModuleList, like a transformer's layers) is compiled block by block, so identical blocks compile "
          "once (0: each segment is compiled as one graph)"),
+    Knob("PIPER_PRECOMPILE", "flag", True, "compile every segment of a rank's program before its first step "
+         "runs (from the segments' input shapes), so pipeline stages compile at the same time instead of one "
+         "after the other (0: each segment compiles when it first runs)"),
     Knob("PIPER_FUSED_OPTIMIZER", "flag", True, "build piper's optimizer with fused=True where that is known "
          "to update like the default implementation"),
     Knob("PIPER_KEEP_HEAP", "flag", True, "on Linux CPU, tune glibc malloc so freed step memory is reused "

@@ -48,6 +48,11 @@ class JointGraph:
     batch_size: int  # the concrete batch size seen at capture
     dynamo_gm: fx.GraphModule
 
+    def symbol_values(self, args: Any, mb_size: int) -> dict[str, int]:
+        """The size symbols' values in a call with ``args`` split into micro-batches of ``mb_size``."""
+        return {str(s.symbol): mb_size if s.batched else int(args[s.arg_index])
+                for s in self.inputs if s.kind == SYM and s.symbol is not None}
+
     def spec(self, value: str) -> InputSpec | None:
         for s in self.inputs:
             if s.value == value:

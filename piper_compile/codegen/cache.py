@@ -81,8 +81,14 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
         # A tracing context with a shape env lets Inductor's FX graph cache key the (static) graph.
         # Fake example inputs: Inductor hashes a real tensor's values into the key (it takes it for a
         # constant), so each rank's batch and weights would make a key of its own.
-        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-        fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        from torch._guards import detect_fake_mode
+
+        mode = detect_fake_mode(args)  # precompile's fake inputs, or a mode of our own for real ones
+        if mode is None:
+            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+            fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        else:
+            fakes = list(args)
         with one_compiler(key), tracing(TracingContext(mode)):
             before = counts()
             compiled = compile_fx_inner(static, fakes)

@@ -46,21 +46,53 @@ class CompiledSegment:
         self.fallback_source: str | None = None  # the user's source line that op came from
         self.outcomes: list[str] = []  # per graph compiled: "hit", "miss", "reused", "bypass" or "off"
         self.pieces = 1  # graphs the segment was cut into (codegen/regional.py: one per repeated block)
+        self._cut: regional.Cut | None | bool = False  # False: not cut yet
+        self._ahead: dict[tuple[Any, ...], Callable[[list[Any]], Any]] = {}  # compiled by precompile()
+
+    def _regional(self) -> regional.Cut | None:
+        if self._cut is False:
+            self._cut = regional.cut(self.gm) if knob("PIPER_REGIONAL") else None
+            self.pieces = 1 if self._cut is None else len(self._cut.pieces)
+        return self._cut  # type: ignore[return-value]
 
     def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
         if self.mode == "eager":
             return lambda a: self.gm(*a)
-        pieces = regional.cut(self.gm) if knob("PIPER_REGIONAL") else None
+        pieces = self._regional()
         if pieces is None:
             return self._compile_graph(self.gm, args, "")
-        self.pieces = len(pieces.pieces)
         return regional.Runner(pieces, self._compile_graph)
+
+    @property
+    def unused_ahead(self) -> int:
+        """Graphs :meth:`precompile` compiled that no run has used yet (their real inputs differed)."""
+        return len(self._ahead)
+
+    def precompile(self, symbols: dict[str, int], device: torch.device) -> None:
+        """Compile this segment's graphs before it first runs, from their own input metadata at the size
+        symbols' values (the first step's): a rank compiles every segment it runs before it waits on a
+        peer, so pipeline stages compile at the same time instead of each after the one before it. The
+        first run finds each function by its inputs' signature; a graph whose real inputs turn out
+        different (another layout) is compiled then, as without this."""
+        if self.mode == "eager":
+            return
+        cut = self._regional()
+        graphs = [(self.gm, "")] if cut is None else [(p.gm, p.label) for p in cut.pieces]
+        for gm, part in graphs:
+            fakes = fake_inputs(gm, symbols, device)
+            if fakes is None:
+                continue
+            same = (regional.structure_key(gm), _signature(fakes), cache.settings())
+            if same not in _TRACED and same not in self._ahead:
+                self._ahead[same] = self._compile_graph(gm, fakes, part)
 
     def _compile_graph(self, gm: fx.GraphModule, args: list[Any], part: str) -> Callable[[list[Any]], Any]:
         """Inductor's function for ``gm`` (the segment, or its piece ``part``) on ``args``; ``gm`` run
         eagerly, with a warning, when Inductor fails."""
         t0 = time.perf_counter()
         same = (regional.structure_key(gm), _signature(args), cache.settings())
+        if same in self._ahead:  # compiled (and counted) ahead of the run
+            return self._ahead.pop(same)
         if same in _TRACED:  # a graph like this one (another block, or segment) on inputs like these
             self.outcomes.append("reused")
             self.compile_seconds += time.perf_counter() - t0
@@ -118,6 +150,49 @@ class CompiledSegment:
         with torch.no_grad():
             out = fn(args)
         return list(out)
+
+
+def precompile(segments: dict[str, CompiledSegment], symbols: dict[str, int], device: torch.device,
+               rank: int) -> None:
+    """:meth:`CompiledSegment.precompile` of every segment (``PIPER_PRECOMPILE``), starting at a rank-
+    dependent one: replicas that run the same segments compile different ones at once, and each then loads
+    what the others compiled (``codegen/cache.py``)."""
+    if not knob("PIPER_PRECOMPILE") or not segments:
+        return
+    names = sorted(segments)
+    at = rank % len(names)
+    for name in names[at:] + names[:at]:
+        segments[name].precompile(symbols, device)
+
+
+def fake_inputs(gm: fx.GraphModule, symbols: dict[str, int], device: torch.device) -> list[Any] | None:
+    """Fake tensors (and ints) like the inputs ``gm`` runs on when the size symbols take ``symbols``' values,
+    from its placeholders' metadata; None when a size does not follow from them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from piper_compile.capture.joint import eval_sym
+
+    def size(s: Any) -> int:
+        return int(s) if isinstance(s, int) else eval_sym(str(s.node.expr).replace(" ", ""), symbols)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    out: list[Any] = []
+    try:
+        for ph in gm.graph.find_nodes(op="placeholder"):
+            val = ph.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                where = device if val.device.type == device.type else val.device
+                with mode:
+                    out.append(torch.empty_strided([size(d) for d in val.shape], [size(d) for d in val.stride()],
+                                                   dtype=val.dtype, device=where))
+            elif isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
+                out.append(size(val))
+            else:
+                return None
+    except (TypeError, ValueError, AttributeError):  # a symbol without a value (an unbacked size)
+        return None
+    return out
 
 
 _TARGET = re.compile(r"target: ([\w.]+)")

@@ -49,3 +49,36 @@ def test_replicas_compile_each_segment_once_and_a_second_run_compiles_none(tmp_p
     for a, b, c in zip(cold, warm, alone):
         assert a["losses"] == b["losses"] == c["losses"]
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a["params"], b["params"], c["params"]))
+
+
+def _pp2(rank: int, world: int) -> dict[str, Any]:
+    model = build_model("gpt", 0, layers=4)
+    model.annotate_stages(2)
+    step = piper.compile(model, directives=[*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)],
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    losses = []
+    for s in range(2):
+        x, y = model.make_batch(8, torch.Generator().manual_seed(s))
+        losses.append(step(x, y).item())
+    m = piper.stats(step)
+    segs = piper.compiled_steps(step)[0].compiled.values()
+    return {"losses": losses, "compiled": m.cache_hits + m.cache_misses, "unused": sum(c.unused_ahead for c in segs),
+            "fallbacks": m.fallbacks,  # this stage's parameters (the other stage's are released here)
+            "params": [p.detach().clone() for p in model.parameters() if p.untyped_storage().nbytes()]}
+
+
+def test_pipeline_stages_compile_ahead_what_their_run_uses_and_train_the_same(tmp_path, monkeypatch):
+    """PIPER_PRECOMPILE: each stage compiles its segments from their input shapes before its first step
+    waits on the other; the run uses every graph compiled ahead (same layouts), compiles nothing more, and
+    trains exactly as compiling at first use does."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ahead"))
+    ahead = run_local(_pp2, 2)
+    monkeypatch.setenv("PIPER_PRECOMPILE", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "lazy"))
+    lazy = run_local(_pp2, 2)
+    for a, b in zip(ahead, lazy):
+        assert a["unused"] == 0 and a["fallbacks"] == b["fallbacks"] == 0
+        assert a["compiled"] == b["compiled"]
+        assert a["losses"] == b["losses"]
+        assert len(a["params"]) == len(b["params"]) > 0
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
