@@ -85,8 +85,7 @@ class Step:
 
     # -- values ----------------------------------------------------------------------------------
     def _symbols(self) -> dict[str, int]:
-        return {str(s.symbol): self.mb_size if s.batched else int(self.args[s.arg_index])
-                for s in self.ex.joint.inputs if s.kind == SYM and s.symbol is not None}
+        return self.ex.joint.symbol_values(self.args, self.mb_size)
 
     def eval(self, expr: Any) -> int:
         """A SymInt expression (or int) at this step's symbol values."""
