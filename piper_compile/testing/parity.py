@@ -173,21 +173,34 @@ class ComputeCopy:
     parameters' ``.grad`` in fp32. ``chunks``: the global batch is cut as piper cuts it (one piece per
     replica and micro-batch, ``RunConfig.pieces``), each piece's backward seeded with its share of the
     mean in the compute dtype and its gradients summed in fp32 per replica, the ``replicas`` sums then
-    added in ``reduce_dtype``, so that bf16 rounding happens where it happens in piper. Without a policy: the model itself, plain ``loss.backward()``."""
+    added in ``reduce_dtype``, so that bf16 rounding happens where it happens in piper. Without a policy: the model itself, plain ``loss.backward()``.
+    ``untie``: each use of a shared parameter gets its own gradient in the copy, summed into the master's
+    in fp32 per replica (first use first) -- piper's tied weight across stages, whose parts each stage
+    accumulates itself (``capture/grad_parts.py``)."""
 
-    def __init__(self, model: nn.Module, precision: Precision, chunks: int = 1, replicas: int = 1) -> None:
+    def __init__(self, model: nn.Module, precision: Precision, chunks: int = 1, replicas: int = 1,
+                 untie: bool = False) -> None:
         self.master, self.precision, self.chunks, self.replicas = model, precision, chunks, replicas
         self.copy = copy.deepcopy(model) if precision.active else model
         if precision.active:
+            if untie:
+                _untie(self.copy)
             for p in self.copy.parameters():
                 p.data = p.data.to(precision.compute(p))
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        of_name = {n: index[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        self.index = [of_name[n] for n, _ in self.copy.named_parameters()]  # master of each copy parameter
+
+    def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        masters = list(self.master.parameters())
+        return [(c, masters[i]) for c, i in zip(self.copy.parameters(), self.index)]
 
     def evaluate(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The loss of a forward-only call (under no_grad), computed as a training step computes it."""
         if not self.precision.active:
             return self.master(*batch)
         with torch.no_grad():
-            for c, m in zip(self.copy.parameters(), self.master.parameters()):
+            for c, m in self._pairs():
                 c.copy_(m)
         loss = self.copy(*(self.precision.cast_input(t) for t in batch))
         return loss.to(self.precision.loss_dtype(loss.dtype))
@@ -200,14 +213,14 @@ class ComputeCopy:
             loss.backward()
             return loss
         with torch.no_grad():
-            for c, m in zip(self.copy.parameters(), self.master.parameters()):
+            for c, m in self._pairs():
                 c.copy_(m)
         total = torch.zeros((), dtype=torch.float64)
         n = batch[0].shape[0]
         per_replica: list[list[torch.Tensor | None]] = []
         for k, rows in enumerate(torch.arange(n).chunk(self.chunks)):  # as piper splits: replicas, micro-batches
             if k % (self.chunks // self.replicas) == 0:
-                per_replica.append([None] * len(list(self.master.parameters())))
+                per_replica.append([None] * len(self.index))
             for c in self.copy.parameters():
                 c.grad = None
             loss = self.copy(*(self.precision.cast_input(t[rows]) for t in batch))
@@ -215,15 +228,48 @@ class ComputeCopy:
             loss.backward(torch.full((), weight * scale, dtype=loss.dtype))
             total += weight * loss.detach().double()
             acc = per_replica[-1]
-            for i, (c, m) in enumerate(zip(self.copy.parameters(), self.master.parameters())):  # summed in fp32
+            for j, (c, m) in enumerate(self._pairs()):  # summed in fp32
                 if c.grad is not None:
-                    acc[i] = c.grad.to(m.dtype) if acc[i] is None else acc[i].add_(c.grad)
+                    acc[j] = c.grad.to(m.dtype) if acc[j] is None else acc[j].add_(c.grad)
         for i, m in enumerate(self.master.parameters()):  # the replicas' sums reduced in reduce_dtype
-            parts = [r[i] for r in per_replica if r[i] is not None]
+            parts = [_sum([r[j] for j, k in enumerate(self.index) if k == i]) for r in per_replica]
+            parts = [p for p in parts if p is not None]
             if parts:
                 red = self.precision.reduce(m.dtype)
                 m.grad = functools.reduce(torch.add, [g.to(red) for g in parts]).to(m.dtype)
         return total.to(self.precision.loss_dtype(loss.dtype))
+
+
+def _sum(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The sum of the gradients given (in order), None if none is."""
+    given = [p for p in parts if p is not None]
+    return functools.reduce(torch.add, given) if given else None
+
+
+def _untie(model: nn.Module) -> None:
+    """Every further use of a shared parameter becomes a parameter of its own (a copy)."""
+    seen: set[int] = set()
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if id(p) in seen:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, nn.Parameter(p.detach().clone()))
+        seen.add(id(p))
+
+
+def _ends_apart(cfg: RunConfig) -> bool:
+    """Whether the first and the last stage are placed on different ranks (a tied weight's gradient then
+    comes in one part per stage)."""
+    from piper_compile.directives.spec import filter_matches
+
+    places = [d for d in cfg.directives if isinstance(d, dict) and d.get("op") == "place"]
+
+    def devices(stage: int) -> tuple[int, ...] | None:
+        found = None
+        for d in places:
+            if filter_matches(d["filter"], {"PP": stage}):
+                found = tuple(d["devices"])
+        return found
+    return cfg.stages > 1 and devices(0) != devices(cfg.stages - 1)
 
 
 def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
@@ -233,7 +279,7 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     sched = cfg.make_scheduler(opt)
     total = sum(cfg.replica_batches(world))
     losses, norms, scales = [], [], []
-    compute = ComputeCopy(model, cfg.precision(), cfg.pieces(world), cfg.dp_degree(world))
+    compute = ComputeCopy(model, cfg.precision(), cfg.pieces(world), cfg.dp_degree(world), _ends_apart(cfg))
     scaler = _grad_scaler(cfg)
     for s in range(cfg.steps):
         batch = _global_batch(model, cfg, s, total)
