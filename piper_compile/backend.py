@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import warnings
 import weakref
 import dataclasses
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from torch import fx
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import warmup
+from piper_compile.recompiles import graph_key, recompile_reason, say_recompile
 from piper_compile.codegen.compile import CompiledSegment, precompile
 from piper_compile.directives.spec import (
     Checkpoint, Replicate, activation_window, checkpoint_of, filter_matches, split_backward_filters,
@@ -534,15 +534,15 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
     """The ``torch_dynamo_backends`` entry point ``piper``."""
     if kwargs:
         raise PiperError(f"piper: unexpected backend arguments {sorted(kwargs)}; pass settings in options={{...}}")
-    reason = _recompile_reason()
-    key = _graph_key(gm, example_inputs, options)
+    reason = recompile_reason()
+    key = graph_key(gm, example_inputs, options)
     prior = _SAME_GRAPH.get(key)
     if reason is not None and prior is not None and prior.joint is not None and prior.raw_options is options:
-        _say_recompile(reason, reused=True)
+        say_recompile(reason, reused=True)
         prior.reused_recompiles += 1
         return prior  # the same graph again: its capture, plans, compiled segments and state
     if reason is not None:
-        _say_recompile(reason, reused=False)
+        say_recompile(reason, reused=False)
     step = CompiledStep(gm, example_inputs, options)
     step.recompile_reason = reason
     warmup.start_for(example_inputs, lambda: step.options.codegen)  # overlaps the first call's capture
@@ -554,54 +554,6 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
 # -- transformers sets config.problem_type inside the first call, so Dynamo's guard on it fails once and
 # it traces the same ops again -- gets the existing step instead of a new capture, plan and compilation.
 _SAME_GRAPH: "weakref.WeakValueDictionary[tuple[Any, ...], CompiledStep]" = weakref.WeakValueDictionary()
-
-
-def _graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tuple[Any, ...]:
-    def sig(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return (type(t).__name__, t.dtype, tuple(map(str, t.shape)), tuple(map(str, t.stride())), t.device.type,
-                    t.requires_grad)
-        return (type(t).__name__, str(t))
-
-    return (id(options), gm.code, tuple(sig(t) for t in example_inputs), torch.is_grad_enabled())
-
-
-_GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # Dynamo frame -> grad modes it has a version for
-
-
-def _recompile_reason() -> str | None:
-    """When Dynamo compiles this frame again: the guard that failed, said once on stderr (a switch between
-    training and ``torch.no_grad`` calls is expected and not reported). Read from Dynamo's metrics context
-    (private: None where this torch has no such record)."""
-    try:
-        from torch._dynamo.utils import get_metrics_context
-
-        metrics = get_metrics_context()._metrics  # noqa: SLF001
-        reason = metrics.get("recompile_reason")
-        frame = (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"))
-    except Exception:  # noqa: BLE001 - another torch version: no report
-        return None
-    grad = torch.is_grad_enabled()
-    if not reason:  # the frame's first version (since a torch._dynamo.reset())
-        _GRAD_MODES[frame] = {grad}
-        return None
-    seen = _GRAD_MODES.setdefault(frame, set())
-    if grad not in seen:  # the first training or the first torch.no_grad version: expected
-        seen.add(grad)
-        return None
-    return reason
-
-
-def _say_recompile(reason: str, reused: bool) -> None:
-    """The one line a recompile prints: the guard that failed, and what piper does about it."""
-    grad_mode = "grad_mode" in reason  # Dynamo names the first failing guard of its newest version only
-    what = ("a guard failed (TORCH_LOGS=recompiles names it)" if grad_mode else
-            f"a guard failed: {' '.join(reason.split(chr(10))[0].split())}")
-    then = ("Dynamo traced the same graph again, so piper reuses its capture, plan and compiled segments (only "
-            "Dynamo's trace was repeated)" if reused else
-            "piper captures, plans and compiles the new version at its next call")
-    warnings.warn(f"piper: Dynamo compiles the piper step again: {what}; {then} (see piper.stats(step).recompiles); "
-                  "keep that attribute or input fixed to avoid it", stacklevel=3)
 
 
 __all__ = ["CompiledStep", "Options", "PiperDirectiveError", "piper_backend"]

@@ -139,7 +139,7 @@ def cut(gm: fx.GraphModule) -> Cut | None:
     builders = [_Builder(gm, slot, owner, i) for i in range(len(runs))]
     for b, r in zip(builders, runs):
         for n in r.nodes:
-            b.copy(n)
+            b.load(n)  # its own node: copied
     results = []
     for a in gm.graph.output_node().args[0]:
         if not isinstance(a, fx.Node):
@@ -207,9 +207,6 @@ class _Builder:
         self.reads.append(a)
         self.env[a] = ph
         return ph
-
-    def copy(self, n: fx.Node) -> None:
-        self.load(n)
 
 
 def structure_key(gm: fx.GraphModule) -> str:

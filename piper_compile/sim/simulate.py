@@ -349,7 +349,7 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             if sent is not None and v in ins.node.inputs:
                 sending.items.append((sent, v))
             else:
-                total[v.startswith("param:")] -= (gathered if v.startswith("param:") else live).pop(v, 0)
+                _drop([v], live, gathered, total)
 
     ahead = sorted(early)  # not run yet, in program order
     early_done: set[int] = set()
@@ -365,9 +365,7 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             ahead.remove(k)
             keep = still_read(program, pos, k, early_done)  # the executor frees the rest at once
             early_done.add(k)
-            for v in program.instrs[k].frees:
-                if v not in keep:
-                    total[v.startswith("param:")] -= (gathered if v.startswith("param:") else live).pop(v, 0)
+            _drop((v for v in program.instrs[k].frees if v not in keep), live, gathered, total)
         alloc(ins)
         if total[0] > out.peak:
             out.peak, out.peak_pos, at_peak = total[0], pos, dict(live)
@@ -379,6 +377,13 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             out.series.append((span.host_end, total[0]))
     out.at_peak = sorted(at_peak.items(), key=lambda kv: -kv[1])
     return out
+
+
+def _drop(values: Any, live: dict[str, int], gathered: dict[str, int], total: list[int]) -> None:
+    """The memory walk frees ``values``: gathered parameters (``param:``) or live values."""
+    for v in values:
+        param = v.startswith("param:")
+        total[param] -= (gathered if param else live).pop(v, 0)
 
 
 def _shard_bytes(nbytes: int, fqns: Any, sizes: Sizes, world: int) -> int:
