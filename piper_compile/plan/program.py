@@ -110,26 +110,30 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     pos = {n.name: i for i, n in enumerate(order)}
     send_of = {n.op.msg: n.name for n in dag.of_kind(Kind.SEND)}  # type: ignore[attr-defined]
     channels: dict[tuple[str, int], list[tuple[int, int, Node]]] = defaultdict(list)
-    for n in dag.of_kind(Kind.RECV):
-        if rank not in n.devices:
-            continue
+    recv_at: dict[str, int] = {}
+    depth: dict[str, int] = {}  # RECVs it is ordered after, transitively (a tied gradient's parts)
+    for n in sorted((n for n in dag.of_kind(Kind.RECV) if rank in n.devices), key=lambda n: gpos[n.name]):
         first = min((pos[s] for s in succs[n.name] if s in pos), default=len(order))
         at = 0
         for j in range(first - 1, -1, -1):
             if order[j].kind is Kind.COMPUTE:
                 at = j
                 break
-        # never before its own predecessors (a gradient receive ordered after the writers of that gradient)
-        at = max([at] + [pos[p] + 1 for p in preds[n.name] if p in pos])
+        # never before its own predecessors (a gradient receive ordered after the writers of that gradient,
+        # a tied gradient's part after the parts added in before it)
+        at = recv_at[n.name] = max([at] + [pos[p] + 1 for p in preds[n.name] if p in pos]
+                                   + [recv_at[p] for p in preds[n.name] if p in recv_at])
+        depth[n.name] = max([0] + [depth[p] + 1 for p in preds[n.name] if p in depth])
         channels[(n.stream, _peer(n, rank))].append((gpos[send_of[n.op.msg]], at, n))  # type: ignore[attr-defined]
-    inserts: list[tuple[int, int, Node]] = []
+    inserts: list[tuple[int, int, int, Node]] = []
     for chan in channels.values():
         chan.sort(key=lambda t: t[0])  # the peer's send order
         latest = len(order)
         for send_pos, at, n in reversed(chan):  # never post a RECV after a later message of the channel
             latest = min(latest, at)
-            inserts.append((latest, send_pos, n))
-    for at, _, n in sorted(inserts, key=lambda t: (t[0], t[1]), reverse=True):
+            inserts.append((latest, depth[n.name], send_pos, n))
+    # at one position: a RECV after the RECVs it is ordered after, then in send order
+    for at, _, _, n in sorted(inserts, key=lambda t: (t[0], t[1], t[2]), reverse=True):
         order.insert(at, n)
     return order
 

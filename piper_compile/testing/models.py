@@ -241,7 +241,35 @@ class TanhGELUMLP(nn.Module):
         return x, torch.randint(0, self.head.out_features, (n,), generator=gen)
 
 
-MODELS = {"mlp": MLPChain, "autocast_mlp": AutocastMLP, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
+class TiedMLP(nn.Module):
+    """``depth`` square Linear + tanh layers where every ``every``-th one (0, every, 2*every, ...) is one
+    shared ``nn.Linear``: with a stage per ``every`` layers, three or more pipeline stages hold the same
+    weight, each accumulating its own part of the gradient (``capture/grad_parts.py``)."""
+
+    def __init__(self, dim: int = 16, depth: int = 6, every: int = 2) -> None:
+        super().__init__()
+        shared = nn.Linear(dim, dim)
+        self.stages = 0
+        self.layers = nn.ModuleList(shared if i % every == 0 else nn.Linear(dim, dim) for i in range(depth))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if self.stages:  # the shared Linear runs in several stages: each call is tagged where it is made
+                with annotate(PP=i * self.stages // len(self.layers)):
+                    x = torch.tanh(layer(x))
+            else:
+                x = torch.tanh(layer(x))
+        return F.mse_loss(x, y)
+
+    def annotate_stages(self, stages: int) -> None:
+        self.stages = stages
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        d = self.layers[0].in_features
+        return torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+
+
+MODELS = {"tied_mlp": TiedMLP, "mlp": MLPChain, "autocast_mlp": AutocastMLP, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
           "gelu_tanh": TanhGELUMLP}
 
 

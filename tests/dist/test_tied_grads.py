@@ -17,11 +17,12 @@ P_TOL = dict(rtol=1e-4, atol=5e-4)  # AdamW on ~0 gradients: summation order noi
 M = 4
 
 
-def _part_traffic(program: str) -> tuple[int, int]:
-    """(part sends, finished-gradient sends or receives) of the tied weight in one rank's program text."""
+def _part_traffic(program: str, fqn: str = "wte.weight") -> tuple[int, int]:
+    """(part sends or receives, finished-gradient sends or receives) of the tied weight ``fqn`` in one
+    rank's program text."""
     steps = [ln.split()[1] for ln in program.splitlines()[1:]]  # "  <pos> <instruction> <stream> ..."
-    return (sum(s.startswith(("SEND.part:wte.weight", "RECV.part:wte.weight")) for s in steps),
-            sum(s.startswith(("SEND.grad:wte.weight", "RECV.grad:wte.weight")) for s in steps))
+    return (sum(s.startswith((f"SEND.part:{fqn}", f"RECV.part:{fqn}")) for s in steps),
+            sum(s.startswith((f"SEND.grad:{fqn}", f"RECV.grad:{fqn}")) for s in steps))
 
 
 def _check(res: list[dict], stages: int) -> None:
@@ -47,3 +48,18 @@ def test_pp2_x_dp2_zero3_tied_gpt():
                      **P_TOL)
     _check(res, 2)
     assert "AR.t0@dp" in res[0]["program"]  # the completing stage reduces the summed tied gradient
+
+
+def test_pp3_one_weight_held_by_three_stages():
+    """One Linear used by every stage: the two holders that finish first each send their part once per
+    step, the last one adds both in, and the finished gradient goes back to each of them."""
+    res = run_parity(RunConfig(model="tied_mlp", stages=3, local_batch=8, steps=5, optimizer=ADAMW,
+                               directives=[*piper.pipeline(3), piper.split(M), *S.one_f_one_b(3, M)]), 3, **P_TOL)
+    traffic = [(_part_traffic(r["program"], "layers.0.weight"), _part_traffic(r["program"], "layers.0.bias"))
+               for r in res]
+    for rank, (w, b) in enumerate(traffic):
+        assert w == b, (rank, traffic)  # the bias is shared with the weight: the same exchange
+    parts = [w[0] for w, _ in traffic]
+    finals = [w[1] for w, _ in traffic]
+    assert sorted(parts) == [1, 1, 2] and sorted(finals) == [1, 1, 2], traffic
+    assert parts.index(2) == finals.index(2), traffic  # the rank that receives the parts sends the sum back
