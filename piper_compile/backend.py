@@ -20,7 +20,8 @@ from torch import fx
 
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
-from piper_compile.codegen import warmup
+from piper_compile.codegen import accumulate, warmup
+from piper_compile.knobs import knob
 from piper_compile.recompiles import graph_key, recompile_reason, say_recompile
 from piper_compile.codegen.compile import CompiledSegment, precompile
 from piper_compile.directives.spec import (
@@ -295,9 +296,12 @@ class CompiledStep:
 
     def _compile_segments(self, program: Program) -> None:
         seg_names = {i.node.op.segment for i in program.instrs if isinstance(i.node.op, SegmentOp)}
+        fused = accumulate.plan(program, {**self.joint.params, **self.state.local_params()}) \
+            if knob("PIPER_FUSED_GRADS") and self.joint is not None and self.state is not None else {}
         for name in seg_names:
             if name not in self.compiled:
                 self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)
+            self.compiled[name].fuse_gradients(fused.get(name, ()))
 
     def _local_executor(self) -> Executor:
         """The forward-only program without its loss all-reduce, for ``piper.local()`` calls: made on this

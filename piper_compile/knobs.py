@@ -91,6 +91,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_REGIONAL", "flag", True, "regional compilation: a segment holding repeated blocks (the children "
          "of one ModuleList, like a transformer's layers) is compiled block by block, so identical blocks compile "
          "once (0: each segment is compiled as one graph)"),
+    Knob("PIPER_FUSED_GRADS", "flag", True, "backward segments accumulate their parameter gradients into the "
+         "gradient buffers themselves (the first micro-batch overwrites, later ones add, inside the compiled "
+         "kernels) instead of returning them for the runtime to add (0: the runtime adds them)"),
     Knob("PIPER_PRECOMPILE", "flag", True, "compile every segment of a rank's program before its first step "
          "runs (from the segments' input shapes), so pipeline stages compile at the same time instead of one "
          "after the other (0: each segment compiles when it first runs)"),

@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
-from piper_compile.codegen import cache, regional, warmup
+from piper_compile.codegen import accumulate, cache, regional, warmup
 from piper_compile.knobs import knob
 from torch import fx
 
@@ -48,6 +48,20 @@ class CompiledSegment:
         self.pieces = 1  # graphs the segment was cut into (codegen/regional.py: one per repeated block)
         self._cut: regional.Cut | None | bool = False  # False: not cut yet
         self._ahead: dict[tuple[Any, ...], Callable[[list[Any]], Any]] = {}  # compiled by precompile()
+        self.fused: tuple[str, ...] = ()  # parameters whose gradients the segment accumulates itself
+        self._positions: tuple[int, ...] = ()  # their output positions
+        self._outputs = 0  # outputs of the segment before fusing
+
+    def fuse_gradients(self, fused: tuple[tuple[int, str, torch.dtype], ...]) -> None:
+        """Before the segment first compiles: make it accumulate the gradients at these (output position,
+        parameter, buffer dtype) into their buffers (``codegen/accumulate.py``); call it with the buffers
+        and whether to add (:meth:`__call__`). Does nothing when a gradient's shape is not static."""
+        positions = tuple(i for i, _, _ in fused)
+        if self.fused or not fused or self._cache or self._ahead or not accumulate.fusable(self.gm, positions):
+            return
+        self._outputs = len(self.gm.graph.output_node().args[0])
+        self.gm = accumulate.fuse(self.gm, tuple((i, d) for i, _, d in fused))
+        self.fused, self._positions = tuple(f for _, f, _ in fused), positions
 
     def _regional(self) -> regional.Cut | None:
         if self._cut is False:
@@ -138,11 +152,23 @@ class CompiledSegment:
             static = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
             return cache.compile_once(static, args, use_cache=bool(knob("PIPER_INDUCTOR_CACHE")))
 
-    def __call__(self, args: list[Any], key: Any = None) -> list[Any]:
+    def __call__(self, args: list[Any], key: Any = None, grads: tuple[Any, ...] = (), add: bool = False) -> list[Any]:
         """Run on ``args`` (the list is consumed: Inductor code clears it and drops each input after its
         last use, so inputs the caller no longer holds are freed during the segment). ``key`` (optional)
         stands for the input signature -- the runtime passes the step's symbol values, which determine
-        every input shape -- so shapes are not re-hashed per call."""
+        every input shape -- so shapes are not re-hashed per call. A segment fusing gradients takes the
+        buffers of :attr:`fused` as ``grads`` (overwritten, or added to when ``add``) and returns None in
+        their outputs' places."""
+        if self.fused:
+            if len(grads) != len(self.fused):
+                raise RuntimeError(f"piper: internal error: segment {self.name} accumulates {len(self.fused)} "
+                                   f"gradients but was called with {len(grads)} buffers")
+            args.extend(grads)
+            args.append(accumulate.flag(grads[0].device, add))
+            return accumulate.expand(self._run(args, key), self._positions, self._outputs)
+        return self._run(args, key)
+
+    def _run(self, args: list[Any], key: Any) -> list[Any]:
         sig = _signature(args) if key is None else key
         fn = self._cache.get(sig)
         if fn is None:

@@ -134,9 +134,9 @@ def _slowed_worker(rank: int, world: int, cfg: RunConfig, slow_rank: int, window
     if rank == slow_rank:
         call = CompiledSegment.__call__
 
-        def slow(self: CompiledSegment, args: list[Any], key: Any = None) -> list[Any]:
+        def slow(self: CompiledSegment, args: list[Any], *rest: Any, **kw: Any) -> list[Any]:
             time.sleep(0.01)
-            return call(self, args, key)
+            return call(self, args, *rest, **kw)
 
         CompiledSegment.__call__ = slow  # type: ignore[method-assign]
     return piper_worker(rank, world, cfg)

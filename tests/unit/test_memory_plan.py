@@ -36,7 +36,10 @@ def test_plan_memory_names_the_peak_step_and_its_values():
         f = m.figures
         assert f.params > 0 and f.optimizer == 2 * f.params  # AdamW: exp_avg and exp_avg_sq per element
         assert f.peak_total >= f.persistent + f.peak_activations - f.grads
-        assert m.peak_step.startswith(("F", "B")) and m.live_at_peak
+        # the peak is after one of the rank's steps (a compute step, or a SEND during which a reordered
+        # backward ran early: gradients go into their buffers inside the segments, so no step's
+        # gradient outputs dominate)
+        assert m.peak_step == plan.programs[r].instrs[m.peak_pos].short() and m.live_at_peak
         assert sum(b for _, b in m.live_at_peak) == f.peak_activations  # the values live at the peak add up
         assert "activations peak at step #" in str(m) and "largest (MiB)" in str(m)
     # GPipe keeps every micro-batch until the backward: its stage-0 activation peak is higher

@@ -1,0 +1,135 @@
+"""Gradient accumulation inside the compiled backward segments.
+
+A backward segment's parameter gradients used to come out of the segment as new tensors that the runtime
+then added into the rank's gradient buffers (``GradBuffers.accumulate``: one more pass over every gradient,
+per micro-batch). :func:`fuse` rewrites the segment's graph so that it writes them itself: each gradient
+output ``g`` of parameter ``p`` becomes
+
+    acc_p.copy_(where(add, acc_p + g, g))      # first write of the step: overwrite; later ones: add
+
+where ``acc_p`` is ``p``'s view of its gradient buffer, an extra input, and ``add`` a 0-d boolean input
+(``where`` rather than ``acc * add + g``: a buffer's stale contents may be inf or NaN). Inductor fuses the
+add into the kernel that produces the gradient where it can, and writes the buffer in place. The
+rewritten graph returns the segment's other outputs only; :func:`expand` puts ``None`` (the runtime's
+"accumulated already") back in the gradients' places. The new nodes carry the module stack of the node
+producing the gradient, so regional compilation (``codegen/regional.py``) keeps them in that block's piece.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+Fused = tuple[tuple[int, torch.dtype], ...]  # (output position, gradient buffer dtype) per fused gradient
+
+_FLAGS: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def flag(device: torch.device, add: bool) -> torch.Tensor:
+    """The 0-d ``add`` input on ``device`` (one tensor per device and value, made once)."""
+    key = (str(device), add)
+    if key not in _FLAGS:
+        _FLAGS[key] = torch.tensor(add, device=device)
+    return _FLAGS[key]
+
+
+def _fake_like(val: Any, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> Any:
+    """A fake tensor for a new placeholder's metadata (read by ``compile.fake_inputs`` at precompile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(val.shape if shape is None else shape, dtype=dtype or val.dtype, device=val.device)
+
+
+def fusable(gm: fx.GraphModule, positions: tuple[int, ...]) -> bool:
+    """Whether the outputs at ``positions`` are static-shaped tensors (parameter gradients always are)."""
+    outs = list(gm.graph.output_node().args[0])
+    for i in positions:
+        val = outs[i].meta.get("val") if isinstance(outs[i], fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+            return False
+    return True
+
+
+def fuse(gm: fx.GraphModule, fused: Fused) -> fx.GraphModule:
+    """``gm`` writing its gradient outputs at ``fused`` positions into buffers given as extra inputs: after
+    its own inputs come one buffer per fused gradient (in ``fused`` order), then the 0-d ``add`` flag."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    for ph in phs:
+        env[ph] = g.node_copy(ph, env.__getitem__)
+    outs = list(gm.graph.output_node().args[0])
+    accs = []
+    for k, (i, dtype) in enumerate(fused):
+        acc = g.placeholder(f"grad_acc{k}")
+        acc.meta["val"] = _fake_like(outs[i].meta["val"], dtype)
+        accs.append(acc)
+    add = g.placeholder("grad_add")
+    add.meta["val"] = _fake_like(outs[fused[0][0]].meta["val"], torch.bool, ()) if fused else None
+    writes: dict[fx.Node, list[tuple[fx.Node, torch.dtype]]] = {}
+    for (i, dtype), acc in zip(fused, accs):
+        writes.setdefault(outs[i], []).append((acc, dtype))
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        env[n] = g.node_copy(n, env.__getitem__)
+        for acc, dtype in writes.pop(n, []):
+            _write(g, env[n], acc, add, dtype, n.meta)
+    for n, pending in writes.items():  # a gradient that is a segment input, passed through
+        for acc, dtype in pending:
+            _write(g, env[n], acc, add, dtype, n.meta)
+    taken = {i for i, _ in fused}
+    g.output(tuple(env[o] if isinstance(o, fx.Node) else o for j, o in enumerate(outs) if j not in taken))
+    g.lint()
+    return fx.GraphModule(gm, g)
+
+
+def _write(g: fx.Graph, grad: fx.Node, acc: fx.Node, add: fx.Node, dtype: torch.dtype, meta: dict[str, Any]) -> None:
+    """``acc.copy_(where(add, acc + grad, grad))`` right after ``grad`` (at the end for a segment input),
+    the new nodes given ``grad``'s module stack."""
+    aten = torch.ops.aten
+    made: list[fx.Node] = []
+
+    def call(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> fx.Node:
+        after = made[-1] if made else (grad if grad.op != "placeholder" else None)
+        if after is None:
+            made.append(g.call_function(target, args, kwargs))
+        else:
+            with g.inserting_after(after):
+                made.append(g.call_function(target, args, kwargs))
+        return made[-1]
+
+    cast = call(aten._to_copy.default, (grad,), {"dtype": dtype}) if meta["val"].dtype != dtype else grad
+    summed = call(aten.add.Tensor, (acc, cast))
+    call(aten.copy_.default, (acc, call(aten.where.self, (add, summed, cast))))
+    for node in made:
+        for k in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace"):
+            if k in meta:
+                node.meta[k] = meta[k]
+
+
+def expand(outs: list[Any], positions: tuple[int, ...], total: int) -> list[Any]:
+    """The segment's outputs with ``None`` back in the fused gradients' places."""
+    it = iter(outs)
+    taken = set(positions)
+    return [None if j in taken else next(it) for j in range(total)]
+
+
+def plan(program: Any, params: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, str, torch.dtype], ...]]:
+    """Per segment of a training ``program``: (output position, parameter, buffer dtype) of each gradient
+    it can accumulate itself -- all of a segment's gradients, when no other step reads any of them and
+    every call of the segment returns them at the same positions; the buffer dtype is the parameter's
+    (``GradBuffers``: fp32 under mixed precision)."""
+    from piper_compile.ir.ops import Segment
+
+    read = {v for ins in program.instrs for v in ins.node.inputs}
+    found: dict[str, set[tuple[tuple[int, str], ...]]] = {}
+    for ins in program.instrs:
+        op = ins.node.op
+        if isinstance(op, Segment) and op.grads:
+            at = tuple((ins.node.outputs.index(v), f) for v, f in op.grads)
+            found.setdefault(op.segment, set()).add(at if not any(v in read for v, _ in op.grads) else ())
+    return {seg: tuple((i, f, params[f].dtype) for i, f in next(iter(ats))) for seg, ats in found.items()
+            if len(ats) == 1 and () not in ats}
