@@ -16,7 +16,7 @@ producing the gradient, so regional compilation (``codegen/regional.py``) keeps 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -108,6 +108,23 @@ def _write(g: fx.Graph, grad: fx.Node, acc: fx.Node, add: fx.Node, dtype: torch.
         for k in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace"):
             if k in meta:
                 node.meta[k] = meta[k]
+
+
+def eager(gm: fx.GraphModule, positions: tuple[int, ...]) -> Callable[[list[Any]], list[Any]]:
+    """The fused segment's calling convention, run without Inductor (``codegen="eager"``): ``gm`` unfused,
+    then one ``copy_`` or ``add_`` per gradient (no kernel to fuse into, so the fewest ops)."""
+    taken = set(positions)
+
+    def run(args: list[Any]) -> list[Any]:
+        add = args[-1] is _FLAGS.get((str(args[-1].device), True))
+        bufs = args[-1 - len(positions):-1]
+        outs = gm(*args[:-1 - len(positions)])
+        args.clear()
+        for i, buf in zip(positions, bufs):
+            buf.add_(outs[i]) if add else buf.copy_(outs[i])
+        return [o for j, o in enumerate(outs) if j not in taken]
+
+    return run
 
 
 def expand(outs: list[Any], positions: tuple[int, ...], total: int) -> list[Any]:

@@ -51,6 +51,7 @@ class CompiledSegment:
         self.fused: tuple[str, ...] = ()  # parameters whose gradients the segment accumulates itself
         self._positions: tuple[int, ...] = ()  # their output positions
         self._outputs = 0  # outputs of the segment before fusing
+        self._unfused = gm  # the graph before fusing (run as it is under codegen="eager")
 
     def fuse_gradients(self, fused: tuple[tuple[int, str, torch.dtype], ...]) -> None:
         """Before the segment first compiles: make it accumulate the gradients at these (output position,
@@ -60,6 +61,7 @@ class CompiledSegment:
         if self.fused or not fused or self._cache or self._ahead or not accumulate.fusable(self.gm, positions):
             return
         self._outputs = len(self.gm.graph.output_node().args[0])
+        self._unfused = self.gm
         self.gm = accumulate.fuse(self.gm, tuple((i, d) for i, _, d in fused))
         self.fused, self._positions = tuple(f for _, f, _ in fused), positions
 
@@ -71,7 +73,7 @@ class CompiledSegment:
 
     def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
         if self.mode == "eager":
-            return lambda a: self.gm(*a)
+            return accumulate.eager(self._unfused, self._positions) if self.fused else (lambda a: self.gm(*a))
         pieces = self._regional()
         if pieces is None:
             return self._compile_graph(self.gm, args, "")
