@@ -366,6 +366,7 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             keep = still_read(program, pos, k, early_done)  # the executor frees the rest at once
             early_done.add(k)
             _drop((v for v in program.instrs[k].frees if v not in keep), live, gathered, total)
+        _drop([f"held:{w}" for w in ins.waits], live, gathered, total)  # a buffer held until waited for
         alloc(ins)
         if total[0] > out.peak:
             out.peak, out.peak_pos, at_peak = total[0], pos, dict(live)

@@ -82,3 +82,14 @@ def test_dualpipe_v_holds_both_ends_on_one_rank_and_exchanges_nothing():
     plan = _plan(S.dualpipe_v(2, 4), stages=4)
     per_mb, parts, final = _gradient_sends(plan)
     assert per_mb == [] and parts == [] and final == []
+
+
+def test_the_roots_receive_buffer_is_counted_until_the_step_that_waits_for_it():
+    plan = _plan([*piper.pipeline(2), *S.one_f_one_b(2, 4)])
+    sizes = Sizes.from_dag(plan.dag)
+    prog = next(p for p in plan.programs if p.rank == 0)
+    at = next(i for i, ins in enumerate(prog.instrs) if isinstance(ins.node.op, RecvPart))
+    recv = prog.instrs[at].node
+    assert recv.op.allocates(recv, sizes) == [(f"held:{recv.name}", sizes.params[TIED], False)]
+    # a later step waits for it: the memory walk frees the buffer there (the runtime once it is added in)
+    assert any(recv.name in ins.waits for ins in prog.instrs[at + 1:])

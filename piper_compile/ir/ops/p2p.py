@@ -130,6 +130,10 @@ class RecvPart(Recv):
 
     NAME = "recv_part"
 
+    def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
+        """The receive buffer, one gradient's size, held until the step that waits for it (``held:``)."""
+        return [(f"held:{node.name}", sizes.params_bytes([self.state]), False)]
+
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
         import torch
 
@@ -138,6 +142,13 @@ class RecvPart(Recv):
         assert self.state is not None
         own = rt.grads.view(self.state)
         buf = torch.empty_like(own)
+        nbytes = buf.numel() * buf.element_size()
+        rt.count_live(nbytes)  # until it is added in, once the receive completes
+
+        def finish() -> None:
+            rt.grads.accumulate(self.state, buf)
+            rt.count_live(-nbytes)
+
         rt.issue(ins, pos, comm.irecv(buf, ins.peer, rt.p2p_group(ins)))
-        rt.on_finish(ins.node.name, lambda: rt.grads.accumulate(self.state, buf))
+        rt.on_finish(ins.node.name, finish)
         rt.stats.p2p += 1
