@@ -10,6 +10,7 @@ also stages CPU tensors (through plain host copies), so CPU tests run the same p
 """
 from __future__ import annotations
 
+import queue
 import threading
 from datetime import timedelta
 from typing import Any, Callable
@@ -131,29 +132,19 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
 
 def isend(t: torch.Tensor, dst: int, group: Any) -> Any:
     work = _run(lambda h: dist.isend(h, dst=dst, group=group), group, [t.contiguous()], [])
-    return Reaped(work) if dist.get_backend(group) == "gloo" else work
+    return _reaper((id(group), dst)).reap(work) if dist.get_backend(group) == "gloo" else work
 
 
 class Reaped:
-    """A gloo send waited for by a thread of its own. gloo's send work reports ``is_completed()`` only once
-    waited on, and it keeps the sent tensor alive until it is dropped; so without this a send's tensor
-    lives until the executor waits for it at the end of the step (every activation a stage sends). The
-    thread drops the work as soon as the peer has the data; the executor sees ``is_completed()`` and
-    stops counting the tensor (``Executor._retire_sends``)."""
+    """A gloo send, waited for by its channel's reaper thread (:class:`_Reaper`). gloo's send work reports
+    ``is_completed()`` only once waited on, and it keeps the sent tensor alive until it is dropped; so
+    without this a send's tensor lives until the executor waits for it at the end of the step (every
+    activation a stage sends). The reaper drops the work as soon as the peer has the data; the executor
+    sees ``is_completed()`` and stops counting the tensor (``Executor._retire_sends``)."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
-        threading.Thread(target=self._reap, args=(work,), daemon=True, name="piper-send").start()
-
-    def _reap(self, work: Any) -> None:
-        try:
-            work.wait()
-        except BaseException as e:  # noqa: BLE001 - raised again to whoever waits
-            self._error = e
-        finally:
-            del work
-            self._done.set()
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -164,6 +155,43 @@ class Reaped:
         if self._error is not None:
             raise self._error
         return True
+
+
+class _Reaper:
+    """One long-lived daemon thread per send channel (process group, destination): messages of a rank pair
+    complete in the order they were sent, so waiting for them in that order on one thread frees each as
+    soon as its peer has it, without a thread started per send (which cost ~30 us of host time each)."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[tuple[Any, Reaped]]" = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="piper-send").start()
+
+    def reap(self, work: Any) -> Reaped:
+        r = Reaped()
+        self._queue.put((work, r))
+        return r
+
+    def _loop(self) -> None:
+        while True:
+            work, r = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - raised again to whoever waits
+                r._error = e
+            finally:
+                del work
+                r._done.set()
+
+
+_REAPERS: dict[tuple[int, int], _Reaper] = {}
+_REAPERS_LOCK = threading.Lock()
+
+
+def _reaper(channel: tuple[int, int]) -> _Reaper:
+    with _REAPERS_LOCK:
+        if channel not in _REAPERS:
+            _REAPERS[channel] = _Reaper()
+        return _REAPERS[channel]
 
 
 def irecv(buf: torch.Tensor, src: int, group: Any) -> Any:
