@@ -52,43 +52,45 @@ def fusable(gm: fx.GraphModule, positions: tuple[int, ...]) -> bool:
     return True
 
 
-def fuse(gm: fx.GraphModule, fused: Fused) -> fx.GraphModule:
+def fuse(gm: fx.GraphModule, fused: Fused, how: str = "where") -> fx.GraphModule:
     """``gm`` writing its gradient outputs at ``fused`` positions into buffers given as extra inputs: after
-    its own inputs come one buffer per fused gradient (in ``fused`` order), then the 0-d ``add`` flag."""
+    its own inputs come one buffer per fused gradient (in ``fused`` order), then (``how="where"``) the 0-d
+    ``add`` flag. ``how="copy"`` / ``"add"``: each gradient is copied / added in place (``copy_``, ``add_``:
+    the runtime's own ops, for graphs run eagerly, which know on the host which one a call needs)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    phs = list(gm.graph.find_nodes(op="placeholder"))
-    for ph in phs:
+    for ph in gm.graph.find_nodes(op="placeholder"):
         env[ph] = g.node_copy(ph, env.__getitem__)
     outs = list(gm.graph.output_node().args[0])
-    accs = []
+    writes: dict[fx.Node, list[tuple[fx.Node, torch.dtype]]] = {}
     for k, (i, dtype) in enumerate(fused):
         acc = g.placeholder(f"grad_acc{k}")
         acc.meta["val"] = _fake_like(outs[i].meta["val"], dtype)
-        accs.append(acc)
-    add = g.placeholder("grad_add")
-    add.meta["val"] = _fake_like(outs[fused[0][0]].meta["val"], torch.bool, ()) if fused else None
-    writes: dict[fx.Node, list[tuple[fx.Node, torch.dtype]]] = {}
-    for (i, dtype), acc in zip(fused, accs):
         writes.setdefault(outs[i], []).append((acc, dtype))
+    add = None
+    if how == "where":
+        add = g.placeholder("grad_add")
+        add.meta["val"] = _fake_like(outs[fused[0][0]].meta["val"], torch.bool, ()) if fused else None
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         env[n] = g.node_copy(n, env.__getitem__)
         for acc, dtype in writes.pop(n, []):
-            _write(g, env[n], acc, add, dtype, n.meta)
+            _write(g, env[n], acc, add if how == "where" else how, dtype, n.meta)
     for n, pending in writes.items():  # a gradient that is a segment input, passed through
         for acc, dtype in pending:
-            _write(g, env[n], acc, add, dtype, n.meta)
+            _write(g, env[n], acc, add if how == "where" else how, dtype, n.meta)
     taken = {i for i, _ in fused}
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for j, o in enumerate(outs) if j not in taken))
     g.lint()
     return fx.GraphModule(gm, g)
 
 
-def _write(g: fx.Graph, grad: fx.Node, acc: fx.Node, add: fx.Node, dtype: torch.dtype, meta: dict[str, Any]) -> None:
-    """``acc.copy_(where(add, acc + grad, grad))`` right after ``grad`` (at the end for a segment input),
-    the new nodes given ``grad``'s module stack."""
+def _write(g: fx.Graph, grad: fx.Node, acc: fx.Node, add: fx.Node | str, dtype: torch.dtype,
+           meta: dict[str, Any]) -> None:
+    """``acc.copy_(where(add, acc + grad, grad))`` (``add`` a flag node), or ``acc.copy_(grad)`` /
+    ``acc.add_(grad)`` (``add`` "copy" / "add"), right after ``grad`` (at the end for a segment input), the
+    new nodes given ``grad``'s module stack."""
     aten = torch.ops.aten
     made: list[fx.Node] = []
 
@@ -101,28 +103,31 @@ def _write(g: fx.Graph, grad: fx.Node, acc: fx.Node, add: fx.Node, dtype: torch.
                 made.append(g.call_function(target, args, kwargs))
         return made[-1]
 
-    cast = call(aten._to_copy.default, (grad,), {"dtype": dtype}) if meta["val"].dtype != dtype else grad
-    summed = call(aten.add.Tensor, (acc, cast))
-    call(aten.copy_.default, (acc, call(aten.where.self, (add, summed, cast))))
+    if add == "copy":
+        call(aten.copy_.default, (acc, grad))
+    elif add == "add":
+        call(aten.add_.Tensor, (acc, grad))
+    else:
+        cast = call(aten._to_copy.default, (grad,), {"dtype": dtype}) if meta["val"].dtype != dtype else grad
+        summed = call(aten.add.Tensor, (acc, cast))
+        call(aten.copy_.default, (acc, call(aten.where.self, (add, summed, cast))))
     for node in made:
         for k in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace"):
             if k in meta:
                 node.meta[k] = meta[k]
 
 
-def eager(gm: fx.GraphModule, positions: tuple[int, ...]) -> Callable[[list[Any]], list[Any]]:
-    """The fused segment's calling convention, run without Inductor (``codegen="eager"``): ``gm`` unfused,
-    then one ``copy_`` or ``add_`` per gradient (no kernel to fuse into, so the fewest ops)."""
-    taken = set(positions)
+def eager(gm: fx.GraphModule, fused: Fused) -> Callable[[list[Any]], list[Any]]:
+    """The fused segment's calling convention run without Inductor (``codegen="eager"``): the graph that
+    copies or adds in place, as the call's flag says -- the runtime's own ops, one per gradient, each
+    gradient dropped as soon as it is written (the memory plan counts none)."""
+    graphs = {False: fuse(gm, fused, "copy"), True: fuse(gm, fused, "add")}
 
     def run(args: list[Any]) -> list[Any]:
         add = any(args[-1] is t for (_, value), t in _FLAGS.items() if value)  # one of flag()'s True tensors
-        bufs = args[-1 - len(positions):-1]
-        outs = gm(*args[:-1 - len(positions)])
+        ins = args[:-1]
         args.clear()
-        for i, buf in zip(positions, bufs):
-            buf.add_(outs[i]) if add else buf.copy_(outs[i])
-        return [o for j, o in enumerate(outs) if j not in taken]
+        return list(graphs[add](*ins))
 
     return run
 

@@ -51,7 +51,8 @@ class CompiledSegment:
         self.fused: tuple[str, ...] = ()  # parameters whose gradients the segment accumulates itself
         self._positions: tuple[int, ...] = ()  # their output positions
         self._outputs = 0  # outputs of the segment before fusing
-        self._unfused = gm  # the graph before fusing (run as it is under codegen="eager")
+        self._unfused = gm  # the graph before fusing (codegen="eager" fuses it its own way)
+        self._fused: accumulate.Fused = ()
 
     def fuse_gradients(self, fused: tuple[tuple[int, str, torch.dtype], ...]) -> None:
         """Before the segment first compiles: make it accumulate the gradients at these (output position,
@@ -62,7 +63,8 @@ class CompiledSegment:
             return
         self._outputs = len(self.gm.graph.output_node().args[0])
         self._unfused = self.gm
-        self.gm = accumulate.fuse(self.gm, tuple((i, d) for i, _, d in fused))
+        self._fused = tuple((i, d) for i, _, d in fused)
+        self.gm = accumulate.fuse(self.gm, self._fused)
         self.fused, self._positions = tuple(f for _, f, _ in fused), positions
 
     def _regional(self) -> regional.Cut | None:
@@ -73,7 +75,7 @@ class CompiledSegment:
 
     def _compile(self, args: list[Any]) -> Callable[[list[Any]], Any]:
         if self.mode == "eager":
-            return accumulate.eager(self._unfused, self._positions) if self.fused else (lambda a: self.gm(*a))
+            return accumulate.eager(self._unfused, self._fused) if self.fused else (lambda a: self.gm(*a))
         pieces = self._regional()
         if pieces is None:
             return self._compile_graph(self.gm, args, "")
