@@ -49,10 +49,9 @@ class CompiledSegment:
         self._cut: regional.Cut | None | bool = False  # False: not cut yet
         self._ahead: dict[tuple[Any, ...], Callable[[list[Any]], Any]] = {}  # compiled by precompile()
         self.fused: tuple[str, ...] = ()  # parameters whose gradients the segment accumulates itself
-        self._positions: tuple[int, ...] = ()  # their output positions
         self._outputs = 0  # outputs of the segment before fusing
         self._unfused = gm  # the graph before fusing (codegen="eager" fuses it its own way)
-        self._fused: accumulate.Fused = ()
+        self._fused: accumulate.Fused = ()  # (output position, buffer dtype) of each fused gradient
 
     def fuse_gradients(self, fused: tuple[tuple[int, str, torch.dtype], ...]) -> None:
         """Before the segment first compiles: make it accumulate the gradients at these (output position,
@@ -65,7 +64,7 @@ class CompiledSegment:
         self._unfused = self.gm
         self._fused = tuple((i, d) for i, _, d in fused)
         self.gm = accumulate.fuse(self.gm, self._fused)
-        self.fused, self._positions = tuple(f for _, f, _ in fused), positions
+        self.fused = tuple(f for _, f, _ in fused)
 
     def _regional(self) -> regional.Cut | None:
         if self._cut is False:
@@ -169,7 +168,7 @@ class CompiledSegment:
                                    f"gradients but was called with {len(grads)} buffers")
             args.extend(grads)
             args.append(accumulate.flag(grads[0].device, add))
-            return accumulate.expand(self._run(args, key), self._positions, self._outputs)
+            return accumulate.expand(self._run(args, key), tuple(i for i, _ in self._fused), self._outputs)
         return self._run(args, key)
 
     def _run(self, args: list[Any], key: Any) -> list[Any]:

@@ -82,8 +82,9 @@ def test_regional_compilation_matches_the_whole_graph_and_compiles_each_block_on
     whole_model = copy.deepcopy(model)
     forget_compiled()
     losses, params, m = _train(model)
-    # F: embeddings, 4 blocks, head; B: head, 3 blocks, the first block with the embedding's backward
-    assert m.cache_misses + m.cache_hits <= 6 and m.reused >= 5 and m.fallbacks == 0, m
+    # F: embeddings, 4 blocks, head; B: head, 3 blocks, the first block, the embeddings' backward (with
+    # their gradients' in-place accumulation, codegen/accumulate.py, it is a piece of its own)
+    assert m.cache_misses + m.cache_hits <= 7 and m.reused >= 5 and m.fallbacks == 0, m
     monkeypatch.setenv("PIPER_REGIONAL", "0")
     forget_compiled()
     torch._dynamo.reset()  # a new compile, not the first model's compiled code (shared by instances)
