@@ -296,8 +296,9 @@ class CompiledStep:
 
     def _compile_segments(self, program: Program) -> None:
         seg_names = {i.node.op.segment for i in program.instrs if isinstance(i.node.op, SegmentOp)}
+        assert self.joint is not None and self.state is not None
         fused = accumulate.plan(program, {**self.joint.params, **self.state.local_params()}) \
-            if knob("PIPER_FUSED_GRADS") and self.joint is not None and self.state is not None else {}
+            if knob("PIPER_FUSED_GRADS") else {}
         for name in seg_names:
             if name not in self.compiled:
                 self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)

@@ -67,19 +67,19 @@ def fuse(gm: fx.GraphModule, fused: Fused, how: str = "where") -> fx.GraphModule
         acc = g.placeholder(f"grad_acc{k}")
         acc.meta["val"] = _fake_like(outs[i].meta["val"], dtype)
         writes.setdefault(outs[i], []).append((acc, dtype))
-    add = None
+    mode: fx.Node | str = how
     if how == "where":
-        add = g.placeholder("grad_add")
-        add.meta["val"] = _fake_like(outs[fused[0][0]].meta["val"], torch.bool, ()) if fused else None
+        mode = g.placeholder("grad_add")
+        mode.meta["val"] = _fake_like(outs[fused[0][0]].meta["val"], torch.bool, ())
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         env[n] = g.node_copy(n, env.__getitem__)
         for acc, dtype in writes.pop(n, []):
-            _write(g, env[n], acc, add if how == "where" else how, dtype, n.meta)
+            _write(g, env[n], acc, mode, dtype, n.meta)
     for n, pending in writes.items():  # a gradient that is a segment input, passed through
         for acc, dtype in pending:
-            _write(g, env[n], acc, add if how == "where" else how, dtype, n.meta)
+            _write(g, env[n], acc, mode, dtype, n.meta)
     taken = {i for i, _ in fused}
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for j, o in enumerate(outs) if j not in taken))
     g.lint()
