@@ -1,8 +1,10 @@
 """How planning scales with the world size: ``piper.plan`` (capture, passes, per-rank programs,
 verification of all ranks together) plus the simulation, for PP8 x DP(N/8) 1F1B on the GPT, in a fresh
-process per size. Prints wall time of each phase and the process's peak RSS.
+process per size. Prints wall time of each phase, the classes of ranks with the same program (planned,
+verified and simulated once each: ``plan/symmetry.py``), the instructions of all ranks together and the
+process's peak RSS.
 
-    python benchmarks/bench_explain.py --worlds 64 256 1024
+    python benchmarks/bench_explain.py --worlds 1024 16384 100000
 """
 from __future__ import annotations
 
@@ -34,14 +36,16 @@ def _one(world: int, stages: int, microbatches: int) -> dict:
     t0 = time.perf_counter()
     sim = simulate_plan(plan, FlopCost())
     t_sim = time.perf_counter() - t0
-    instrs = sum(len(p.instrs) for p in plan.programs)
+    classes = plan.programs.symmetry.classes  # one program built per class (plan/symmetry.py)
+    instrs = sum(len(plan.programs[rep].instrs) * len(ranks) for rep, ranks in classes.items())
     return {"world": world, "plan_s": t_plan, "sim_s": t_sim, "dag_nodes": len(plan.dag), "instructions": instrs,
-            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "step_ms": sim.step_time * 1e3}
+            "classes": len(classes), "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "step_ms": sim.step_time * 1e3}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worlds", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--worlds", type=int, nargs="+", default=[1024, 16384, 100000])
     p.add_argument("--stages", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -50,14 +54,14 @@ def main() -> None:
         print(json.dumps(_one(a.child, a.stages, a.microbatches)))
         return
     print(f"PP{a.stages} x DP(N/{a.stages}) 1F1B, {a.microbatches} micro-batches, GPT {a.stages} layers")
-    print(f"{'ranks':>6} {'plan+verify s':>14} {'simulate s':>11} {'DAG nodes':>10} {'instructions':>13} "
-          f"{'peak RSS MiB':>13}")
+    print(f"{'ranks':>6} {'plan+verify s':>14} {'simulate s':>11} {'DAG nodes':>10} {'classes':>8} "
+          f"{'instructions':>13} {'peak RSS MiB':>13} {'step ms':>8}")
     for w in a.worlds:
         out = subprocess.run([sys.executable, __file__, "--child", str(w), "--stages", str(a.stages),
                               "--microbatches", str(a.microbatches)], capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{r['world']:>6} {r['plan_s']:>14.2f} {r['sim_s']:>11.2f} {r['dag_nodes']:>10} "
-              f"{r['instructions']:>13} {r['rss_mib']:>13.0f}")
+        print(f"{r['world']:>6} {r['plan_s']:>14.2f} {r['sim_s']:>11.2f} {r['dag_nodes']:>10} {r['classes']:>8} "
+              f"{r['instructions']:>13} {r['rss_mib']:>13.0f} {r['step_ms']:>8.3f}")
 
 
 if __name__ == "__main__":

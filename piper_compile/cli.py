@@ -86,14 +86,35 @@ def explain(args: argparse.Namespace) -> int:
     result = piper.plan(model, *batch, directives=_directives(args), world_size=world, options=options)
     dt = time.perf_counter() - t0
     if args.cmd == "explain":
-        shown = result.programs if args.ranks is None else [result.programs[r] for r in args.ranks]
-        for p in shown:
-            print(p.to_text() if args.verbose else p.to_text().splitlines()[0])
-    print(f"# {world} ranks, {len(result.dag)} DAG nodes ({result.dag.summary()}); verified in {dt:.2f}s")
+        _show_programs(result.programs, args.ranks, args.verbose)
+    classes = result.programs.symmetry.classes
+    print(f"# {world} ranks in {len(classes)} classes of identical programs, {len(result.dag)} DAG nodes "
+          f"({result.dag.summary()}); verified in {dt:.2f}s")
     _report_simulation(result, args)
     if args.cmd == "explain":
         _report_memory(result, args.ranks)
     return 0
+
+
+def _show_programs(programs: Any, ranks: list[int] | None, verbose: bool) -> None:
+    """The programs of ``ranks``, or one per class of ranks with the same program up to rank ids, each
+    with the ranks it stands for."""
+    def show(p: Any, note: str = "") -> None:
+        lines = p.to_text().splitlines()
+        print(lines[0] + note)
+        if verbose:
+            print("\n".join(lines[1:]))
+
+    if ranks is not None:
+        for r in ranks:
+            show(programs[r])
+        return
+    for rep, members in programs.symmetry.classes.items():
+        if len(members) == 1:
+            show(programs[rep])
+        else:
+            listed = ", ".join(map(str, members[1:4])) + (", ..." if len(members) > 4 else "")
+            show(programs[rep], f"\n  (the same program, own peers, on {len(members) - 1} more ranks: {listed})")
 
 
 def _report_memory(result: "piper.StaticPlan", ranks: list[int] | None) -> None:  # noqa: F821

@@ -6,6 +6,7 @@ that has not run (``piper.plan(...).memory``, ``explain``), with the step where 
 values live there; ``check_budget`` rejects a plan over ``options["memory_budget_mb"]`` before it runs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -142,7 +143,7 @@ class RankMemory:
         return self.format()
 
 
-def plan_memory(dag: Any, programs: list[Any], optimizer: Any = None) -> dict[int, RankMemory]:
+def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None) -> dict[int, RankMemory]:
     """Every rank's predicted memory for planned ``programs`` (``optimizer``: the optimizer, its class or a
     partial of it, for the state it keeps per parameter element)."""
     from piper_compile.sim.cost import UniformCost
@@ -153,14 +154,19 @@ def plan_memory(dag: Any, programs: list[Any], optimizer: Any = None) -> dict[in
     sizes = Sizes.from_dag(dag)
     factor = optimizer_state_factor(optimizer)
     out: dict[int, RankMemory] = {}
-    for p in programs:
-        r = p.rank
-        figures = MemoryFigures(res.param_bytes[r], copy_bytes(p, sizes), res.grad_bytes[r],
-                                factor * trained_bytes(p, sizes), res.peak_activation_bytes[r],
-                                res.peak_gathered_bytes.get(r, 0), res.peak_grad_bytes.get(r, 0))
-        pos = res.peak_activation_pos.get(r, -1)
-        step = p.instrs[pos].short() if 0 <= pos < len(p.instrs) else "-"
-        out[r] = RankMemory(r, figures, pos, step, res.live_at_peak.get(r, []))
+    # a quotient simulation: each class's figures once, from its representative's program
+    classes = res.classes or {p.rank: (p.rank,) for p in programs}
+    for rep, ranks in classes.items():
+        p = programs[rep]
+        figures = MemoryFigures(res.param_bytes[rep], copy_bytes(p, sizes), res.grad_bytes[rep],
+                                factor * trained_bytes(p, sizes), res.peak_activation_bytes[rep],
+                                res.peak_gathered_bytes.get(rep, 0), res.peak_grad_bytes.get(rep, 0))
+        pos = res.peak_activation_pos.get(rep, -1)
+        ins = p.instrs[pos] if 0 <= pos < len(p.instrs) else None
+        peers = dict(zip(ins.node.devices, ins.node.op.pairs(ins.node))) if ins and ins.peer is not None else {}
+        for r in ranks:  # the label names each rank's own peer
+            step = "-" if ins is None else ins.node.short(peers[r]) if peers else ins.short()
+            out[r] = RankMemory(r, figures, pos, step, res.live_at_peak.get(rep, []))
     return out
 
 

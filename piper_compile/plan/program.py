@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
 from piper_compile.ir.ops import QueueKey, p2p_channel
 from piper_compile.ir.order import schedule_order
 from piper_compile.plan.reorder import record_reorders
+
+if TYPE_CHECKING:
+    from piper_compile.plan.symmetry import Programs
 
 __all__ = ["Instr", "Program", "build_program", "build_programs", "p2p_channel", "schedule_order"]
 
@@ -94,6 +98,16 @@ def _peer(node: Node, rank: int) -> int | None:
     return peer(node, rank) if peer is not None else None
 
 
+def _predecessors(dag: TrainingDAG) -> dict[str, set[str]]:
+    return dag.cached("predecessors", (len(dag.nodes), len(dag.order_edges)), dag.predecessors)
+
+
+def _device_sets(dag: TrainingDAG) -> dict[tuple[int, ...], frozenset[int]]:
+    """Each device group of the DAG as a set (membership tests on groups of thousands of ranks)."""
+    return dag.cached("device_sets", (len(dag.nodes), len(dag.order_edges)),
+                      lambda: {d: frozenset(d) for d in {n.devices for n in dag}})
+
+
 def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     """This rank's instructions: the global order restricted to the rank, with each RECV posted one
     compute step before its first consumer (never before its own predecessors), and RECVs from one peer
@@ -101,8 +115,9 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     in order on NCCL and gloo)."""
     glob = schedule_order(dag)
     gpos = {n: i for i, n in enumerate(glob)}
-    order = [dag.nodes[n] for n in glob if rank in dag.nodes[n].devices and dag.nodes[n].kind is not Kind.RECV]
-    preds = dag.predecessors()
+    mine = _device_sets(dag)
+    order = [dag.nodes[n] for n in glob if rank in mine[dag.nodes[n].devices] and dag.nodes[n].kind is not Kind.RECV]
+    preds = _predecessors(dag)
     succs: dict[str, list[str]] = defaultdict(list)
     for b, ps in preds.items():
         for a in ps:
@@ -112,7 +127,7 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     channels: dict[tuple[str, int], list[tuple[int, int, Node]]] = defaultdict(list)
     recv_at: dict[str, int] = {}
     depth: dict[str, int] = {}  # RECVs it is ordered after, transitively (a tied gradient's parts)
-    for n in sorted((n for n in dag.of_kind(Kind.RECV) if rank in n.devices), key=lambda n: gpos[n.name]):
+    for n in sorted((n for n in dag.of_kind(Kind.RECV) if rank in mine[n.devices]), key=lambda n: gpos[n.name]):
         first = min((pos[s] for s in succs[n.name] if s in pos), default=len(order))
         at = 0
         for j in range(first - 1, -1, -1):
@@ -142,7 +157,7 @@ def build_program(dag: TrainingDAG, rank: int, reorder_window: int = 8) -> Progr
     """Instructions of ``rank`` in issue order, with waits on async predecessors, frees, and the
     reorderings the runtime may make (``plan/reorder.py``; fillers up to ``reorder_window`` ahead)."""
     order = _local_order(dag, rank)
-    preds = dag.predecessors()
+    preds = _predecessors(dag)
     async_names = {n.name for n in order if n.kind.is_comm}
     last_use: dict[str, int] = {}
     produced_at: dict[str, int] = {}
@@ -161,6 +176,9 @@ def build_program(dag: TrainingDAG, rank: int, reorder_window: int = 8) -> Progr
     return record_reorders(Program(rank, instrs), reorder_window)
 
 
-def build_programs(dag: TrainingDAG, world_size: int, reorder_window: int = 8) -> list[Program]:
-    """Every rank's program (``build_program``)."""
-    return [build_program(dag, r, reorder_window) for r in range(world_size)]
+def build_programs(dag: TrainingDAG, world_size: int, reorder_window: int = 8) -> "Programs":
+    """Every rank's program (``build_program``), built once per class of ranks with the same program up
+    to rank ids (``plan/symmetry.py``) and for other ranks on demand."""
+    from piper_compile.plan.symmetry import Programs, rank_classes
+
+    return Programs(dag, world_size, reorder_window, rank_classes(dag, world_size))

@@ -13,12 +13,15 @@ is a deadlock, reported as a rank x step grid with the stuck instruction marked.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind
 from piper_compile.plan.reorder import check_reorders
+from piper_compile.ir.ops import QueueKey
 from piper_compile.plan.program import Instr, Program
+from piper_compile.plan.symmetry import Programs, member_keys
 
 
 @dataclass
@@ -65,9 +68,20 @@ def format_grid(programs: list[Program], pcs: list[int], stuck: dict[int, str]) 
     return "\n".join(lines)
 
 
-def verify_programs(programs: list[Program]) -> VerifyResult:
+def verify_programs(programs: Sequence[Program]) -> VerifyResult:
     """Raise ``PiperPlanError`` on an unmatched P2P, mis-ordered collectives, a deadlock, or a recorded
-    reordering (overlap partner, filler) the runtime could not make safely (``plan/reorder.py``)."""
+    reordering (overlap partner, filler) the runtime could not make safely (``plan/reorder.py``). A plan's
+    ``Programs`` are verified on their quotient, one representative per class of ranks with the same
+    program (``plan/symmetry.py``), where that is exact; a plain list rank by rank."""
+    quotient = programs.quotient() if isinstance(programs, Programs) else None
+    if quotient is not None:
+        return verify_folded(quotient, programs.symmetry.rep_of)  # type: ignore[attr-defined]
+    return verify_folded(list(programs), None)
+
+
+def verify_folded(programs: list[Program], rep_of: Sequence[int] | None) -> VerifyResult:
+    """``verify_programs`` on ``programs`` as they are (``rep_of`` None) or on a quotient: the programs of
+    the representatives, peers mapped by ``rep_of`` (rank -> representative)."""
     _check_matching(programs)
     for p in programs:
         check_reorders(p)
@@ -75,6 +89,7 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
     pcs = [0] * len(programs)
     done: list[set[str]] = [set() for _ in programs]
     queues: dict[tuple[int, str, int], deque[Instr]] = {}  # (rank, group name, peer or -1)
+    keys: dict[tuple[str, int], list[QueueKey]] = {}  # a collective's member queues in a quotient
     rounds = 0
     while True:
         rounds += 1
@@ -90,7 +105,7 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
                     done[k].add(ins.name)
                 pcs[k] += 1
                 moved = True
-        moved |= _complete_heads(programs, ranks, queues, done)
+        moved |= _complete_heads(programs, ranks, queues, done, (rep_of, keys))
         if all(pc == len(p.instrs) for pc, p in zip(pcs, programs)) and not any(queues.values()):
             return VerifyResult(rounds)
         if not moved:
@@ -98,7 +113,7 @@ def verify_programs(programs: list[Program]) -> VerifyResult:
 
 
 def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tuple[int, str, int], deque[Instr]],
-                    done: list[set[str]]) -> bool:
+                    done: list[set[str]], quotient: tuple[Sequence[int] | None, dict]) -> bool:
     idx = {r: k for k, r in enumerate(ranks)}
     moved = False
     for (rank, group, _), q in list(queues.items()):
@@ -116,8 +131,10 @@ def _complete_heads(programs: list[Program], ranks: list[int], queues: dict[tupl
                 done[idx[head.peer]].add(other.name)
                 moved = True
         else:
-            members = head.members(rank)  # its own subgroup under tensor parallelism
-            heads = [queues.get((m, group, -1)) for m in members]  # same stream and members: same group
+            # its own subgroup under tensor parallelism (same stream and members: same group)
+            mkeys = member_keys(head, rank, group, *quotient)
+            members = [k[0] for k in mkeys]
+            heads = [queues.get(k) for k in mkeys]
             if all(h and h[0].name == head.name for h in heads):
                 for m, h in zip(members, heads):
                     h.popleft()  # type: ignore[union-attr]

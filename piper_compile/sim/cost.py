@@ -15,7 +15,7 @@ import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import fx
@@ -32,6 +32,15 @@ class CostModel:
     ``compute_time`` of a segment, ``p2p_time`` of a message, ``collective_time`` of ``nbytes`` over
     ``members`` ranks, ``update_time`` of ``nbytes`` of parameters; subclasses implement those.
     Overheads default to 0."""
+
+    # SYMMETRIC: every rank of a symmetry class (``plan/symmetry.py``) costs the same, so the simulator may
+    # run one representative per class. Each class says so itself: a subclass that does not repeat it (it
+    # may price ranks differently) has every rank simulated.
+    SYMMETRIC: ClassVar[bool] = False
+
+    @property
+    def symmetric(self) -> bool:
+        return bool(type(self).__dict__.get("SYMMETRIC", False))
 
     def bind(self, dag: TrainingDAG | None) -> None:
         """Called by the simulator with the plan's DAG before any query."""
@@ -79,6 +88,8 @@ class CostModel:
 @dataclass
 class UniformCost(CostModel):
     """Fixed durations per pass (F, B, BI, BW), per UPDATE and per communication."""
+
+    SYMMETRIC: ClassVar[bool] = True
 
     f: float = 1.0
     b: float = 2.0
@@ -166,6 +177,8 @@ class FlopCost(CostModel):
     values, the batch symbol at the micro-batch size). ``links`` gives a traffic class its own link,
     ``{"pp": (bytes_per_s, latency_s), "dp": ..., "ep": ..., "tp": ...}`` (the class is the stream's
     first letters: ``pp_fwd`` is ``pp``, ``dp_gather`` is ``dp``); other traffic uses the defaults."""
+
+    SYMMETRIC: ClassVar[bool] = True
 
     flops_per_s: float = 1e12
     bytes_per_s: float = 10e9

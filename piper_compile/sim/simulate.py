@@ -24,7 +24,9 @@ A rank's step ends when its host has issued everything and all its asynchronous 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,8 @@ from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.ir.ops import GradReduce, ParamGather, QueueKey
 from piper_compile.plan.program import Instr, Program
 from piper_compile.plan.reorder import needs, still_read
-from piper_compile.plan.verifier import verify_programs
+from piper_compile.plan.symmetry import Programs, member_keys
+from piper_compile.plan.verifier import verify_folded
 from piper_compile.sim.cost import CostModel
 from piper_compile.sim.shapes import Sizes
 from piper_compile.sim.trace import STEP_KIND, STEP_STREAM, Span, span_of
@@ -73,6 +76,8 @@ class SimResult:
     peak_grad_bytes: dict[int, int] = field(default_factory=dict)
     peak_activation_pos: dict[int, int] = field(default_factory=dict)  # program position of the activation peak
     live_at_peak: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # (value, bytes), largest first
+    # a quotient simulation: representative -> the ranks it stands for (empty: every rank was simulated)
+    classes: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def bubble(self) -> float:
@@ -107,9 +112,11 @@ class _Issued:
 
 
 class _Sim:
-    def __init__(self, programs: list[Program], cost: CostModel) -> None:
+    def __init__(self, programs: list[Program], cost: CostModel, rep_of: Sequence[int] | None = None) -> None:
         self.programs = programs
         self.cost = cost
+        self.rep_of = rep_of  # a quotient (``plan/symmetry.py``): rank -> its class's representative
+        self.member_queues: dict[tuple[str, int], list[QueueKey]] = {}
         self.ranks = [p.rank for p in programs]
         self.host = {p.rank: cost.prologue(p.rank) for p in programs}
         self.pcs = {p.rank: 0 for p in programs}
@@ -266,7 +273,7 @@ class _Sim:
                 d = max(self.cost.duration(head.ins, rank), self.cost.duration(pq[0].ins, head.ins.peer))
                 self._finish([(key, head), (pkey, pq[0])], d)
             else:
-                keys = [(m, group, -1) for m in head.ins.members(rank)]
+                keys = member_keys(head.ins, rank, group, self.rep_of, self.member_queues)
                 heads = [self.queues.get(k) for k in keys]
                 if not all(h and h[0].ins.name == head.ins.name for h in heads):
                     continue
@@ -288,7 +295,7 @@ class _Sim:
                 self.dirty_ranks.add(self.force)
                 continue
             if not moved:
-                verify_programs(self.programs)  # raises with the rank x step grid
+                verify_folded(self.programs, self.rep_of)  # raises with the rank x step grid
                 raise PiperPlanError("piper: internal: the simulation stalled on programs the verifier accepts")
 
 
@@ -486,12 +493,38 @@ def state_bytes(program: Program, sizes: Sizes) -> tuple[int, int]:
     return p_bytes, g_bytes
 
 
-def simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None = None) -> SimResult:
+def simulate(programs: Sequence[Program], cost: CostModel, dag: TrainingDAG | None = None) -> SimResult:
     """Simulate one step of ``programs`` (every rank's, from one plan) under ``cost``. ``dag`` (the
     plan's DAG) supplies tensor sizes for memory and ``FlopCost``; without it memory reads 0.
+    A plan's ``Programs`` under a symmetric cost model simulate one representative per class of ranks
+    with the same program (``plan/symmetry.py``); every rank gets its class's figures, ``spans`` are
+    the representatives' and ``classes`` says who stands for whom.
     Raises ``PiperPlanError`` (with the verifier's grid) if the programs deadlock."""
     cost.bind(dag)
-    sim = _Sim(programs, cost)
+    folded = programs.quotient() if isinstance(programs, Programs) and cost.symmetric else None
+    if folded is not None:
+        sym = programs.symmetry  # type: ignore[attr-defined]
+        return _expand(_simulate(folded, cost, dag, sym.rep_of), sym.classes)
+    return _simulate(list(programs), cost, dag, None)
+
+
+def _expand(res: SimResult, classes: dict[int, tuple[int, ...]]) -> SimResult:
+    """Every rank's figures from its class representative's (a quotient simulation)."""
+    def spread(d: dict[int, Any]) -> dict[int, Any]:
+        return {r: d[rep] for rep, rs in classes.items() if rep in d for r in rs}
+
+    return dataclasses.replace(
+        res, ranks=sorted(r for rs in classes.values() for r in rs), busy=spread(res.busy),
+        rank_end=spread(res.rank_end), peak_activation_bytes=spread(res.peak_activation_bytes),
+        param_bytes=spread(res.param_bytes), grad_bytes=spread(res.grad_bytes),
+        memory_timeline=spread(res.memory_timeline), peak_gathered_bytes=spread(res.peak_gathered_bytes),
+        peak_grad_bytes=spread(res.peak_grad_bytes), peak_activation_pos=spread(res.peak_activation_pos),
+        live_at_peak=spread(res.live_at_peak), classes=classes)
+
+
+def _simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None,
+              rep_of: Sequence[int] | None) -> SimResult:
+    sim = _Sim(programs, cost, rep_of)
     sim.run()
     rank_end = {}
     for r in sim.ranks:

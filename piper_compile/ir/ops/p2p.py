@@ -50,6 +50,13 @@ class PointToPoint(Op):
     def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
         return cost.p2p_time(ins, rank, getattr(self, "msg"))
 
+    def pairs(self, node: "Node") -> tuple[int, ...]:
+        """The peer of each rank of ``node.devices``, in device order (``dst`` or ``src``)."""
+        return getattr(self, "dst") if self.kind is Kind.SEND else getattr(self, "src")
+
+    def peer(self, node: "Node", rank: int) -> int:
+        return self.pairs(node)[node.devices.index(rank)]
+
     def short(self, node: "Node", peer: int | None) -> str:
         arrow = "->" if self.kind is Kind.SEND else "<-"
         return f"{node.kind.value}.{getattr(self, 'msg').split('>')[0]}{arrow}r{peer}"
@@ -69,9 +76,6 @@ class Send(PointToPoint):
     @property
     def kind(self) -> Kind:
         return Kind.SEND
-
-    def peer(self, node: "Node", rank: int) -> int:
-        return self.dst[node.devices.index(rank)]
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
         from piper_compile.runtime import comm
@@ -99,9 +103,6 @@ class Recv(PointToPoint):
     @property
     def kind(self) -> Kind:
         return Kind.RECV
-
-    def peer(self, node: "Node", rank: int) -> int:
-        return self.src[node.devices.index(rank)]
 
     def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
         return [] if self.state else [(v, sizes.messages.get(self.msg, 0), False) for v in node.outputs]
