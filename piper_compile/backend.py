@@ -187,20 +187,42 @@ class CompiledStep:
         self._cut()
         self.example_inputs = []  # drop references to the first batch
 
-    def share_capture(self, other: "CompiledStep") -> None:
+    def share_capture(self, other: "CompiledStep", cuts: dict[Any, Any] | None = None, key: Any = None) -> None:
         """Plan on ``other``'s captured joint graph instead of capturing again: for steps of one model and
         batch whose directives differ only in what acts after capture (placement, micro-batches, schedule,
         ZeRO, checkpointing; not tensor parallelism or mixed precision, which change the capture).
-        ``autoplan`` plans its candidates this way."""
+        ``autoplan`` plans its candidates this way. ``cuts``: segments cut before, by ``key`` (the state of
+        ``other``'s graph, e.g. its tags) and ``cut_inputs()``: a step whose cut would read the same reuses
+        them (the segments are read-only to planning)."""
         if other.joint is None:
             other._capture()
         self.joint, self.tp_shards, self.tp_partial = other.joint, other.tp_shards, other.tp_partial
         self.graph_timings, self.float_constants = other.graph_timings, other.float_constants
-        self._cut()
+        if cuts is None:
+            self._cut()
+        else:
+            k = (id(other), key, self.cut_inputs())
+            if k not in cuts:
+                cuts[k] = self._cut_segments()
+            self.segments = cuts[k]
+            self._new_state()
         self.example_inputs = []
+
+    def cut_inputs(self) -> str:
+        """What cutting the joint graph reads of this step's directives and options (``_cut_segments``)."""
+        ds = self.options.directives
+        checkpoints = [d for d in ds if isinstance(d, Checkpoint)]
+        window = activation_window(ds)  # its placement splits tied gradients into parts per device group
+        return repr(([(d.filter, d.bucket_size, d.zero >= 3) for d in ds if isinstance(d, Replicate)],
+                     split_backward_filters(ds), self.options.remat, checkpoints,
+                     window if checkpoints else [(d.filter, d.devices) for d in window.places]))
 
     def _cut(self) -> None:
         """The joint graph cut into segments for this step's directives, and the training state."""
+        self.segments = self._cut_segments()
+        self._new_state()
+
+    def _cut_segments(self) -> dict[str, Any]:
         assert self.joint is not None
         split = split_backward_filters(self.options.directives)
         zero3 = [d.filter for d in self.options.directives if isinstance(d, Replicate) and d.zero >= 3]
@@ -212,10 +234,13 @@ class CompiledStep:
             return any(filter_matches(f, dict(region)) for f in zero3)
 
         checkpoints = [d for d in self.options.directives if isinstance(d, Checkpoint)]
-        self.segments = {s.name: s for s in extract_segments(self.joint, self._bucket_bytes, split_bw if split else None,
-                                                             chunk_fw if zero3 else None, self.options.remat,
-                                                             self.graph_timings, checkpoint_of(checkpoints),
-                                                             activation_window(self.options.directives))}
+        return {s.name: s for s in extract_segments(self.joint, self._bucket_bytes, split_bw if split else None,
+                                                    chunk_fw if zero3 else None, self.options.remat,
+                                                    self.graph_timings, checkpoint_of(checkpoints),
+                                                    activation_window(self.options.directives))}
+
+    def _new_state(self) -> None:
+        assert self.joint is not None
         self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
         if self.link is not None and self.link.deferred is not None:
             self.state.deferred = self.link.deferred

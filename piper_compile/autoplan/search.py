@@ -221,6 +221,7 @@ class _Search:
         self.options, self.optimizer = {k: v for k, v in options.items() if k != "directives"}, options["optimizer"]
         self.cost, self.memory_mb, self.policies = cost, memory_mb, policies
         self.bases: dict[tuple[int, int], tuple[Any, list[tuple[Any, dict[str, Any], int]]]] = {}  # by (dp, tp)
+        self.cuts: dict[Any, Any] = {}  # segments cut from a base, shared by candidates that cut it alike
         self.fits: list[Choice] = []
         self.rejected: list[tuple[str, str]] = []
         self.closest: tuple[float, str] | None = None  # smallest peak seen over the budget
@@ -276,7 +277,7 @@ class _Search:
             base = self._base(c, stages, directives)
             opts = {**self.options, "directives": directives}
             cs = CompiledStep(base.gm, [], opts, world=(0, self.world), sources=base.sources)
-            cs.share_capture(base)
+            cs.share_capture(base, self.cuts, repr(_block_tags(c, stages)))
             dag, programs = cs.build(False)
         except PiperError as e:
             self.rejected.append((c.label(), str(e).splitlines()[0]))
@@ -310,6 +311,7 @@ class _Search:
 
     def close(self) -> None:
         self.bases.clear()
+        self.cuts.clear()
         gc.collect()
 
     def nothing_fits(self, total: int) -> PiperPlanError:

@@ -1,6 +1,7 @@
 """What passes know about the captured model and the launch (world size, batch, parameter sizes)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,7 @@ class PassContext:
         if value in self.batched_values:
             return True
         if value.startswith("symexpr:") and self.batch_symbols:
-            expr = sympy.sympify(value[len("symexpr:"):].replace(";", ","))
-            return any(sympy.Symbol(b) in expr.free_symbols for b in self.batch_symbols)
+            return not _free_symbols(value[len("symexpr:"):]).isdisjoint(self.batch_symbols)
         return False
 
     @property
@@ -42,3 +42,9 @@ class PassContext:
 
     def tag_keys(self, dag: Any) -> set[str]:
         return {k for n in dag for k, _ in n.tags}
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _free_symbols(text: str) -> frozenset[str]:
+    """Names of the symbols of a dimension expression (``s0*s1``), parsed once per distinct text."""
+    return frozenset(str(s) for s in sympy.sympify(text.replace(";", ",")).free_symbols)

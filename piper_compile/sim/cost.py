@@ -168,6 +168,16 @@ def node_bytes(node: fx.Node, syms: dict[str, int]) -> int:
     return _prod(concrete(d, syms) for d in val.shape) * val.dtype.itemsize
 
 
+def _segment_work(dag: TrainingDAG, syms: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """FLOPs and bytes written of every segment of ``dag`` at the symbol values ``syms``."""
+    flops, written = {}, {}
+    for name, seg in dag.segments.items():
+        nodes = list(seg.gm.graph.nodes)
+        flops[name] = sum(node_flops(n, syms) for n in nodes)
+        written[name] = sum(node_bytes(n, syms) for n in nodes)
+    return flops, written
+
+
 @dataclass
 class FlopCost(CostModel):
     """Roofline-style estimate: compute = FLOPs / ``flops_per_s`` (+ bytes written / ``mem_bytes_per_s``
@@ -198,10 +208,10 @@ class FlopCost(CostModel):
                              "simulate_plan(piper.plan(...), cost) or simulate(programs, cost, dag=plan.dag)")
         self.sizes = Sizes.from_dag(dag, self.symbols)
         syms = self.sizes.symbols
-        for name, seg in dag.segments.items():
-            nodes = list(seg.gm.graph.nodes)
-            self.flops[name] = sum(node_flops(n, syms) for n in nodes)
-            self.written[name] = sum(node_bytes(n, syms) for n in nodes)
+        key = tuple(sorted(syms.items()))
+        self.flops, self.written = dag.cached(f"flops:{key}", (len(dag.segments), key),
+                                              lambda: _segment_work(dag, syms))
+
 
     def compute_time(self, ins: Instr, rank: int, segment: str) -> float:
         t = self.flops.get(segment, 0) / self.flops_per_s + self.overhead_s

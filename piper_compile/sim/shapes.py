@@ -11,12 +11,14 @@ import torch
 from piper_compile.ir.dag import Kind, TrainingDAG
 
 
-def _hints(val: Any, out: dict[str, int]) -> None:
-    """Record the capture-time value of every backed symbol in ``val`` (a SymInt or a fake tensor)."""
+def _hints(val: Any, out: dict[str, int], envs: set[int]) -> None:
+    """Record the capture-time value of every backed symbol of the shape environment of ``val`` (a SymInt
+    or a fake tensor), once per environment (``envs``: the ids of those read already)."""
     dims = [val] if isinstance(val, torch.SymInt) else list(val.shape) if isinstance(val, torch.Tensor) else []
     for d in dims:
-        if not isinstance(d, torch.SymInt):
+        if not isinstance(d, torch.SymInt) or id(d.node.shape_env) in envs:
             continue
+        envs.add(id(d.node.shape_env))
         env = getattr(d.node.shape_env, "backed_var_to_val", None) or getattr(d.node.shape_env, "var_to_val", {})
         for sym, v in env.items():
             if str(sym).startswith("s") and str(sym) not in out:
@@ -31,12 +33,13 @@ def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> 
     of the batched user inputs) divided by the number of micro-batches, as the runtime does."""
     segments = dag.segments
     hints: dict[str, int] = {}
+    envs: set[int] = set()
     batch_syms: set[str] = set()
     for seg in segments.values():
         phs = [n for n in seg.gm.graph.nodes if n.op == "placeholder"]
         for value, ph in zip(seg.inputs, phs):
             val = ph.meta.get("val")
-            _hints(val, hints)
+            _hints(val, hints, envs)
             if value.startswith("input:") and isinstance(val, torch.Tensor) and val.dim() > 0:
                 d0 = val.shape[0]
                 if isinstance(d0, torch.SymInt) and isinstance(d0.node.expr, sympy.Symbol):
@@ -110,9 +113,15 @@ class Sizes:
 
     @classmethod
     def from_dag(cls, dag: TrainingDAG | None, symbols: dict[str, int] | None = None) -> "Sizes":
-        """Sizes for ``dag`` (empty when there is no DAG or it has no segments: everything 0 bytes)."""
+        """Sizes for ``dag`` (empty when there is no DAG or it has no segments: everything 0 bytes),
+        remembered on the DAG (the simulator, the cost model and the memory plan all ask)."""
         if dag is None:
             return cls()
+        key = (len(dag.nodes), len(dag.order_edges), len(dag.segments), tuple(sorted((symbols or {}).items())))
+        return dag.cached(f"sizes:{key[3]}", key, lambda: cls._from_dag(dag, symbols))
+
+    @classmethod
+    def _from_dag(cls, dag: TrainingDAG, symbols: dict[str, int] | None) -> "Sizes":
         syms = symbol_values(dag, symbols)
         out = cls(syms)
         for seg in dag.segments.values():

@@ -31,9 +31,11 @@ def test_plan_pp2_dp2_programs_and_text_round_trip():
 
 
 def test_cli_explain(capsys):
-    assert main(["explain", "--model", "mlp", "--stages", "2", "--dp", "2", "--microbatches", "4"]) == 0
+    assert main(["explain", "--model", "mlp", "--stages", "2", "--dp", "3", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("rank 0: ") and "# 4 ranks" in out and "verified" in out
+    assert out.startswith("rank 0: ") and "# 6 ranks in 2 classes" in out and "verified" in out
+    assert "(the same program, own peers, on 2 more ranks: 2, 4)" in out  # one program per class
+    assert "(the same program, own peers, on 2 more ranks: 3, 5)" in out and "\nrank 3: " not in out
     assert "# predicted step" in out and "bubble" in out and "peak memory per rank" in out
 
 
@@ -128,13 +130,13 @@ def test_cli_explain_zero3_plans_gathers_and_predicts_sharded_memory(capsys):
 
 
 @pytest.mark.slow
-def test_explain_plans_and_verifies_1024_ranks(capsys: pytest.CaptureFixture[str]) -> None:
-    """README's claim: PP8 x DP128 (1024 ranks) planned, verified and simulated in one process, without
-    launching anything (fake process group, meta tensors)."""
-    assert main(["explain", "--model", "gpt", "--stages", "8", "--dp", "128", "--microbatches", "16",
-                 "--batch", "16", "--ranks", "0", "1023"]) == 0
+def test_explain_plans_and_verifies_16384_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """README's claim: PP8 x DP2048 (16,384 ranks) planned, verified and simulated in one process, without
+    launching anything (fake process group, meta tensors), one program per class of ranks."""
+    assert main(["explain", "--model", "gpt", "--stages", "8", "--dp", "2048", "--microbatches", "16",
+                 "--batch", "16", "--ranks", "0", "16383"]) == 0
     out = capsys.readouterr().out
-    assert "# 1024 ranks" in out and "verified in" in out and "predicted step" in out, out[-2000:]
-    first, last = (next(ln for ln in out.splitlines() if ln.startswith(f"rank {r}: ")) for r in (0, 1023))
+    assert "# 16384 ranks in 8 classes" in out and "verified in" in out and "predicted step" in out, out[-2000:]
+    first, last = (next(ln for ln in out.splitlines() if ln.startswith(f"rank {r}: ")) for r in (0, 16383))
     assert first.count(" F0.mb") == 16 and first.rstrip().endswith("UPD"), first[:200]  # stage 0, 16 micro-batches
     assert last.count(" B7.mb") == 16 and "AR.b0@dp" in last, last[:200]  # stage 7, its data-parallel reduction

@@ -170,3 +170,21 @@ def test_a_rank_dependent_cost_model_simulates_every_rank():
 
     res = simulate(plan.programs, SlowRank3(), plan.dag)
     assert not res.classes and res.busy[3] > res.busy[1]
+
+
+def test_a_large_world_builds_one_program_per_class():
+    """PP4 x DP1024: planning, verification, simulation and the memory plan build the 4 representatives'
+    programs only, and every rank gets its class's figures."""
+    torch._dynamo.reset()
+    m = build_model("mlp", 0)
+    m.annotate_stages(4)  # type: ignore[operator]
+    batch = m.make_batch(8, torch.Generator().manual_seed(0))  # type: ignore[operator]
+    c = Candidate(pp=4, dp=1024, schedule="1f1b", microbatches=4, zero=2)
+    plan = piper.plan(m, *batch, directives=c.directives(), world_size=c.world,
+                      options={"optimizer": torch.optim.AdamW})
+    res = simulate(plan.programs, FlopCost(), plan.dag)
+    memory = plan.memory
+    assert sorted(plan.programs._made) == [0, 1, 2, 3]  # nothing else was built
+    assert len(res.ranks) == len(memory) == 4096 and res.classes[3] == tuple(range(3, 4096, 4))
+    assert res.busy[4095] == res.busy[3] and memory[4094].figures == memory[2].figures
+    assert plan.programs[4093].instrs[0].peer != plan.programs[1].instrs[0].peer  # its own peer
