@@ -22,16 +22,15 @@ import functools
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Spec, Summary, add_common_args, global_batches, load_note, local_batch, timed_loop  # noqa: E402
 
 import piper_compile as piper  # noqa: E402
+from piper_compile.autoplan import measure_link  # noqa: E402
 from piper_compile.sim import FlopCost  # noqa: E402
 from piper_compile.testing.launch import run_local  # noqa: E402
 from piper_compile.testing.models import GPT, GPTConfig, MoEGPT  # noqa: E402
@@ -43,35 +42,6 @@ def build(spec: Spec, kind: str) -> GPT:
     torch.manual_seed(spec.seed)
     cfg = GPTConfig(**spec.model)
     return MoEGPT(cfg, experts=4, top_k=2) if kind == "moegpt" else GPT(cfg)
-
-
-def _ping(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> dict[int, float]:
-    """Rank 0 <-> 1 round trips of each size; one-way seconds (median)."""
-    out = {}
-    for n in sizes:
-        buf = torch.zeros(n // 4)
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            times.append((time.perf_counter() - t0) / 2)
-        out[n] = statistics.median(times)
-    return out
-
-
-def measure_link(world: int) -> tuple[float, float]:
-    """(bytes/s, latency s) of the link between ranks 0 and 1 as launched here (loopback, or the emulated
-    link when run under emulated_link.py)."""
-    small, big = 4096, 4 * MiB
-    t = run_local(_ping, max(2, world), (small, big), 20)[0]
-    latency = t[small]
-    return (big - small) / max(t[big] - t[small], 1e-9), latency
 
 
 def run_choice(rank: int, world: int, spec: Spec, kind: str, choice: Any) -> Any:

@@ -198,7 +198,8 @@ def _add_autoplan_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--model", default="gpt", help=f"one of {list(BUILT_IN)} or pkg.module:factory")
     a.add_argument("--world-size", type=int, required=True)
     a.add_argument("--memory-mb", type=float, default=None, help="per-rank memory budget (MiB)")
-    a.add_argument("--network", default="ethernet", help=f"one of {sorted(NETWORKS)} or a JSON object "
+    a.add_argument("--network", default="ethernet", help=f"one of {sorted(NETWORKS)}, measured (this machine's "
+                   "link between two local ranks) or a JSON object "
                    '{"pp": [bytes_per_s, latency_s], "dp": ...}')
     a.add_argument("--flops", type=float, default=1e12, help="FLOP/s per rank")
     a.add_argument("--batch", type=int, default=16, help="global batch")

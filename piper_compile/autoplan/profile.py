@@ -1,4 +1,5 @@
-"""``piper.profile``: calibrate autoplan's compute rate by a short run of the model on the real device.
+"""``piper.profile``: calibrate autoplan's compute rate by a short run of the model on the real device;
+``measure_link``: its network, by a ping-pong between two local ranks over the link they use.
 
 A few eager forward + backward steps of the model on one micro-batch-sized slice of the example batch,
 timed after a warm-up (``torch.cuda.synchronize`` on GPU), their FLOPs counted by
@@ -68,3 +69,39 @@ def profile(model: nn.Module, *example_batch: Any, steps: int = 5, warmup: int =
         _sync(device)
         times.append(time.perf_counter() - t0)
     return Profile(counter.get_total_flops(), sorted(times)[len(times) // 2], steps, str(device))
+
+
+def _ping(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> dict[int, float]:
+    """Rank 0 <-> 1 round trips of each size (bytes); one-way seconds, the median of ``reps``."""
+    import statistics
+
+    import torch.distributed as dist
+
+    out = {}
+    for n in sizes:
+        buf = torch.zeros(n // 4)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            times.append((time.perf_counter() - t0) / 2)
+        out[n] = statistics.median(times)
+    return out
+
+
+def measure_link(ranks: int = 2, reps: int = 20) -> tuple[float, float]:
+    """(bytes/s, one-way latency s) of the link between two local gloo ranks (``ranks`` processes started
+    on this machine: loopback, or the emulated link of ``benchmarks/emulated_link.py``), from the median
+    ping-pong times of a 4 KiB and a 4 MiB message. ``autoplan(network="measured")`` uses it for every
+    traffic class."""
+    from piper_compile.testing.launch import run_local
+
+    small, big = 4096, 4 << 20
+    t = run_local(_ping, max(2, ranks), (small, big), reps)[0]
+    return (big - small) / max(t[big] - t[small], 1e-9), t[small]

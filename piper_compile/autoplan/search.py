@@ -106,7 +106,8 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
 
     ``example_batch``: one *global* batch (dim 0 is split over data-parallel replicas and micro-batches).
     ``memory_mb``: per-rank budget (MiB) every returned plan's predicted peak fits. ``network``: a preset
-    (``NETWORKS``: nvlink, ib, ethernet, loopback) or ``{"pp"|"dp"|"ep"|"tp": (bytes_per_s, latency_s)}``;
+    (``NETWORKS``: nvlink, ib, ethernet, loopback), ``"measured"`` (this machine's link between two local
+    ranks, ``measure_link``) or ``{"pp"|"dp"|"ep"|"tp": (bytes_per_s, latency_s)}``;
     ``flops_per_s``: the device's compute rate; ``cost``: any ``sim`` cost model instead of both.
     ``optimizer``: counted in memory (default AdamW; ZeRO needs one). ``tp_plan``: the model's
     tensor-parallel layers as ``shard_tensor`` takes them (``{"blocks.*.qkv": "colwise:3", ...}``); with it,
@@ -158,10 +159,15 @@ def network_cost(network: str | dict[str, tuple[float, float]], flops_per_s: flo
     """The ``FlopCost`` autoplan predicts with: ``flops_per_s`` of compute, links per traffic class."""
     from piper_compile.sim import FlopCost
 
+    if network == "measured":  # this machine's link, every traffic class on it
+        from piper_compile.autoplan.profile import measure_link
+
+        link = measure_link()
+        network = {c: link for c in ("pp", "dp", "ep", "tp", "loss")}
     if isinstance(network, str):
         if network not in NETWORKS:
-            raise PiperError(f"piper: autoplan: unknown network {network!r}; use one of {sorted(NETWORKS)} or a dict "
-                             '{"pp": (bytes_per_s, latency_s), "dp": ..., "ep": ..., "tp": ...}')
+            raise PiperError(f"piper: autoplan: unknown network {network!r}; use one of {sorted(NETWORKS)}, "
+                             '"measured" or a dict {"pp": (bytes_per_s, latency_s), "dp": ..., "ep": ..., "tp": ...}')
         network = NETWORKS[network]
     links = {k: (float(v[0]), float(v[1])) for k, v in network.items()}
     bw, lat = links.get("dp", next(iter(links.values()), (10e9, 0.0)))

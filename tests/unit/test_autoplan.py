@@ -224,3 +224,13 @@ def test_options_such_as_mixed_precision_reach_every_candidate():
     bf16 = piper.autoplan(model, *batch, world_size=1, top=1, options={"mixed_precision": {"param_dtype": "bf16"}})
     assert "precision" in bf16.best.dag_text and "precision" not in fp32.best.dag_text
     assert bf16.best.max_peak_mb != fp32.best.max_peak_mb
+
+
+def test_a_measured_network_is_this_machines_link():
+    """``network="measured"``: a ping-pong between two local gloo ranks gives every traffic class's link."""
+    from piper_compile.autoplan import measure_link
+
+    bw, lat = measure_link(reps=5)
+    assert bw > 1e6 and 0 < lat < 0.1, (bw, lat)  # loopback: well above 1 MB/s, well under 100 ms
+    cost = network_cost("measured")
+    assert set(cost.links) == {"pp", "dp", "ep", "tp", "loss"} and len(set(cost.links.values())) == 1
