@@ -21,7 +21,6 @@ from torch import fx
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import accumulate, warmup
-from piper_compile.knobs import knob
 from piper_compile.recompiles import graph_key, recompile_reason, say_recompile
 from piper_compile.codegen.compile import CompiledSegment, precompile
 from piper_compile.directives.spec import (
@@ -322,8 +321,7 @@ class CompiledStep:
     def _compile_segments(self, program: Program) -> None:
         seg_names = {i.node.op.segment for i in program.instrs if isinstance(i.node.op, SegmentOp)}
         assert self.joint is not None and self.state is not None
-        fused = accumulate.plan(program, {**self.joint.params, **self.state.local_params()}) \
-            if knob("PIPER_FUSED_GRADS") else {}
+        fused = accumulate.plan(program, {**self.joint.params, **self.state.local_params()})
         for name in seg_names:
             if name not in self.compiled:
                 self.compiled[name] = CompiledSegment(name, self.segments[name].gm, self.options.codegen)

@@ -139,13 +139,16 @@ def expand(outs: list[Any], positions: tuple[int, ...], total: int) -> list[Any]
     return [None if j in taken else next(it) for j in range(total)]
 
 
-def plan(program: Any, params: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, str, torch.dtype], ...]]:
-    """Per segment of a training ``program``: (output position, parameter, buffer dtype) of each gradient
-    it can accumulate itself -- all of a segment's gradients, when no other step reads any of them and
-    every call of the segment returns them at the same positions; the buffer dtype is the parameter's
-    (``GradBuffers``: fp32 under mixed precision)."""
+def fused_positions(program: Any) -> dict[str, tuple[tuple[int, str], ...]]:
+    """Per segment of a training ``program``: (output position, parameter) of each gradient it accumulates
+    itself -- all of a segment's gradients, when no other step reads any of them and every call of the
+    segment returns them at the same positions; none with ``PIPER_FUSED_GRADS=0``. The one rule the runtime
+    (``plan``) and the memory plan (``fused_values``) both follow."""
     from piper_compile.ir.ops import Segment
+    from piper_compile.knobs import knob
 
+    if not knob("PIPER_FUSED_GRADS"):
+        return {}
     read = {v for ins in program.instrs for v in ins.node.inputs}
     found: dict[str, set[tuple[tuple[int, str], ...]]] = {}
     for ins in program.instrs:
@@ -153,5 +156,18 @@ def plan(program: Any, params: dict[str, torch.Tensor]) -> dict[str, tuple[tuple
         if isinstance(op, Segment) and op.grads:
             at = tuple((ins.node.outputs.index(v), f) for v, f in op.grads)
             found.setdefault(op.segment, set()).add(at if not any(v in read for v, _ in op.grads) else ())
-    return {seg: tuple((i, f, params[f].dtype) for i, f in next(iter(ats))) for seg, ats in found.items()
-            if len(ats) == 1 and () not in ats}
+    return {seg: next(iter(ats)) for seg, ats in found.items() if len(ats) == 1 and () not in ats}
+
+
+def plan(program: Any, params: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, str, torch.dtype], ...]]:
+    """``fused_positions`` with each gradient buffer's dtype: the parameter's (``GradBuffers``: fp32 under
+    mixed precision)."""
+    return {seg: tuple((i, f, params[f].dtype) for i, f in at) for seg, at in fused_positions(program).items()}
+
+
+def fused_values(program: Any) -> frozenset[str]:
+    """The gradient values of ``program`` its segments write into the gradient buffers themselves: they are
+    never live as tensors of their own (the memory plan counts them as 0 bytes)."""
+    segs = fused_positions(program)
+    return frozenset(v for ins in program.instrs if getattr(ins.node.op, "segment", None) in segs
+                     for v, _ in getattr(ins.node.op, "grads", ()))

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from piper_compile.codegen.accumulate import fused_values
 from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.ir.ops import GradReduce, ParamGather, QueueKey
@@ -339,14 +340,12 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
     as instant."""
     live: dict[str, int] = {}
     gathered: dict[str, int] = {}
-    total = [0, 0]  # live, gathered bytes
-    out = _MemoryWalk()
-    at_peak: dict[str, int] = {}
-    sending = _Sending()
+    fused = fused_values(program)  # gradients its segments write into the gradient buffers themselves
+    total, out, at_peak, sending = [0, 0], _MemoryWalk(), dict[str, int](), _Sending()  # total: live, gathered
 
     def alloc(ins: Instr) -> None:
         for v, b, is_param in ins.node.op.allocates(ins.node, sizes):  # the op's memory rule
-            held = gathered if is_param else live
+            b, held = (0 if v in fused else b), (gathered if is_param else live)
             total[is_param] += b - held.get(v, 0)
             held[v] = b
 

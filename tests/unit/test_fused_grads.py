@@ -79,19 +79,27 @@ def test_the_accumulating_nodes_follow_their_gradient_and_keep_its_module_stack(
     assert [n.name for n in fused.graph.find_nodes(op="placeholder")][-2:] == ["grad_acc0", "grad_add"]
 
 
-def test_segment_outputs_that_are_gradients_count_no_bytes_in_the_memory_plan(monkeypatch):
+def test_the_memory_plan_counts_a_gradient_only_where_its_segment_keeps_it(monkeypatch):
+    """A segment's gradient outputs cost no bytes where the segment writes them into the buffers itself
+    (``accumulate.fused_positions``, the runtime's rule); where another step reads one (so the segment is
+    not fused), or with ``PIPER_FUSED_GRADS=0``, they are live tensors."""
     from piper_compile.ir.dag import Node
     from piper_compile.ir.ops import Segment
+    from piper_compile.plan.program import Instr, Program
+    from piper_compile.sim.simulate import _memory
 
     class Sizes:
         def value_bytes(self, v: str) -> int:
             return 100
 
-    op = Segment("B.x", grads=(("gw", "w"),))
-    node = Node("B.x", op, (), (0,), "compute", ("gy",), ("gx", "gw"))
-    assert op.allocates(node, Sizes()) == [("gx", 100, False), ("gw", 0, False)]
+    b = Node("B.x", Segment("B.x", grads=(("gw", "w"),)), (), (0,), "compute", ("gy",), ("gx", "gw"))
+    reader = Node("R", Segment("R"), (), (0,), "compute", ("gw",), ("r",))
+    fused = Program(0, [Instr(b, frees=("gx", "gw"))])
+    read = Program(0, [Instr(b, frees=("gx",)), Instr(reader, frees=("gw", "r"))])
+    assert _memory(fused, Sizes(), {}).peak == 100  # gx only
+    assert _memory(read, Sizes(), {}).peak == 200  # gw is a tensor another step reads
     monkeypatch.setenv("PIPER_FUSED_GRADS", "0")
-    assert op.allocates(node, Sizes()) == [("gx", 100, False), ("gw", 100, False)]
+    assert _memory(fused, Sizes(), {}).peak == 200
 
 
 def _train(model: torch.nn.Module, steps: int = 3) -> tuple[list[float], list[torch.Tensor], object]:

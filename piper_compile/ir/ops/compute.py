@@ -60,13 +60,6 @@ class Segment(Local):
     def accumulates(self) -> frozenset[str]:
         return frozenset({f for _, f in self.grads} | ({LOSS} if self.loss else set()))
 
-    def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
-        """Its outputs; gradients none under ``PIPER_FUSED_GRADS``: the segment writes them into the gradient
-        buffers itself (``codegen/accumulate.py``)."""
-        from piper_compile.knobs import knob
-
-        fused = {v for v, _ in self.grads} if knob("PIPER_FUSED_GRADS") else set()
-        return [(v, 0 if v in fused else sizes.value_bytes(v), False) for v in node.outputs]
 
     def compute(self, rt: Any, ins: "Instr", inputs: list[Any]) -> list[Any]:
         seg = rt.segments[self.segment]
