@@ -21,8 +21,10 @@ from piper_compile.backend import CompiledStep
 from piper_compile.directives.spec import Replicate, parse_directives
 from piper_compile.ir.dag import Kind, TrainingDAG, parse_dag
 from piper_compile.ir.ops import GradReduce
-from piper_compile.plan.program import Program, build_programs
+from piper_compile.plan.program import Program, build_program, build_programs
 from piper_compile.plan.verifier import verify_programs
+from piper_compile.sim import UniformCost
+from piper_compile.sim.simulate import simulate
 from piper_compile.schedules.builders import stage_sequence as _stage_sequence
 from piper_compile.testing.models import build_model
 
@@ -121,6 +123,19 @@ plans = st.tuples(st.integers(1, MAX_STAGES), st.integers(1, 10), st.sampled_fro
                   st.sampled_from([1, 2]), _buckets)
 
 
+def check_symmetry(dag: TrainingDAG, programs: Any, stages: int) -> None:
+    """Data-parallel replicas of a pipeline form one class per stage; each rank's program made from its
+    class's equals the one built for it, and the quotient simulation equals the rank-by-rank one."""
+    assert len(programs.symmetry.classes) == stages, programs.symmetry
+    for r in range(len(programs)):
+        assert programs[r].to_text() == build_program(dag, r, programs.reorder_window).to_text(), r
+    cost = UniformCost(comm=0.25, update=0.5)
+    whole, folded = simulate(list(programs), cost, dag), simulate(programs, cost, dag)
+    assert folded.classes and not whole.classes
+    for f in ("step_time", "rank_end", "busy", "peak_activation_bytes", "param_bytes", "grad_bytes"):
+        assert getattr(folded, f) == getattr(whole, f), f
+
+
 def check_pipeline_plan(model: str, stages: int, m: int, kind: str, dp: int, bucket_mb: float) -> None:
     """Plan ``model`` with ``stages`` x ``dp`` ranks and check the plan verifies and has the expected shape."""
     world = stages * dp
@@ -128,6 +143,8 @@ def check_pipeline_plan(model: str, stages: int, m: int, kind: str, dp: int, buc
         dag, programs = plan(stages, world, strategy(stages, m, kind, dp, bucket_mb), model=model)
         verify_programs(programs)
     assert [prog.rank for prog in programs] == list(range(world))
+    if dp > 1:
+        check_symmetry(dag, programs, stages)
     all_params = {f for n in dag if n.kind is Kind.COMPUTE for _, f in n.op.grad_outputs()}
     updated: Counter[str] = Counter()
     for prog in programs:

@@ -20,7 +20,7 @@ from piper_compile.ir.ops import GradReduce
 from piper_compile.plan.program import Program
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.testing.models import build_model
-from tests.property.test_plans import BATCH, SCHEDULES, SETTINGS, time_limit
+from tests.property.test_plans import BATCH, SCHEDULES, SETTINGS, check_symmetry, time_limit
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -72,6 +72,7 @@ def check_zero_plan(model: str, stages: int, m: int, kind: str, zero: int, bucke
     with time_limit(30):
         dag, programs = _plan(model, stages, m, kind, zero, bucket_mb, prefetch)
         verify_programs(programs)
+    check_symmetry(dag, programs, stages)  # ZeRO collectives and gathers keep one class per stage
     layout = dag.meta.zero
     sharded: Counter[str] = Counter(f for z in layout.values() for _, fqns in z.buckets for f in fqns)
     assert sharded and set(sharded.values()) == {1}  # each sharded parameter in one bucket
