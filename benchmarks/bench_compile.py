@@ -16,6 +16,8 @@ during it (compilation is CPU work; on 2 shared cores ranks compiling at once sl
 Each piper variant compiles repeated blocks once (regional compilation, ``codegen/regional.py``); with
 ``--whole`` it also runs with ``PIPER_REGIONAL=0`` (each segment one graph). ``step ms`` is the mean of
 the next 5 steps of the warm run (the slowest rank): what regional compilation costs at run time.
+``cold RSS MiB`` is the largest peak RSS of a rank process in the cold run (Inductor's compile workers are
+processes of their own): run once with ``PIPER_PRECOMPILE=0`` to see what precompiling costs in memory.
 
 Targets (issue 19): cold first step <= 1.5x single-process torch.compile; warm <= 20% of cold; 32 layers
 <= 1.5x 8 layers (repeated blocks compile once).
@@ -104,11 +106,13 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
     t1 = time.perf_counter()
     for _ in range(STEADY):
         step(x, y)
-    return {"wall": first, "cpu": cpu, "step": (time.perf_counter() - t1) / STEADY}
+    return {"wall": first, "cpu": cpu, "step": (time.perf_counter() - t1) / STEADY,
+            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _run(variant: str, job: dict[str, Any], cache: str) -> tuple[float, float, float] | str:
-    """(first step wall s of the slowest rank, CPU s of all ranks, steady step s) or why it failed."""
+def _run(variant: str, job: dict[str, Any], cache: str) -> tuple[float, float, float, float] | str:
+    """(first step wall s of the slowest rank, CPU s of all ranks, steady step s, the largest peak RSS of
+    a rank in MiB) or why it failed."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # run_local hands the environment to the ranks
     os.environ["PIPER_REGIONAL"] = "0" if variant.endswith(WHOLE) else "1"
     try:
@@ -116,7 +120,8 @@ def _run(variant: str, job: dict[str, Any], cache: str) -> tuple[float, float, f
                         timeout_s=job["timeout"])
     except Exception as e:  # noqa: BLE001 - report and go on
         return f"{type(e).__name__}: {str(e)[-300:]}"
-    return max(r["wall"] for r in res), sum(r["cpu"] for r in res), max(r["step"] for r in res)
+    return (max(r["wall"] for r in res), sum(r["cpu"] for r in res), max(r["step"] for r in res),
+            max(r["rss"] for r in res))
 
 
 def main() -> None:
@@ -136,7 +141,7 @@ def main() -> None:
     print(f"bench_compile: GPT dim={a.dim} heads={a.heads} seq={a.seq} vocab={a.vocab}, batch {a.batch}/rank, AdamW; "
           f"torch {torch.__version__}, piper {piper_revision()}, {load_note()}")
     print(f"{'variant':26} {'layers':>6} {'cold s':>8} {'cpu s':>8} {'warm s':>8} {'cpu s':>8} {'warm/cold':>9} "
-          f"{'cold / torch.compile':>21} {'step ms':>8}")
+          f"{'cold / torch.compile':>21} {'step ms':>8} {'cold RSS MiB':>12}")
     base: dict[int, float] = {}
     cold_by: dict[tuple[str, int], float] = {}
     for layers in a.layers:
@@ -156,7 +161,7 @@ def main() -> None:
             cold_by[(variant, layers)] = cold[0]
             ratio = f"{cold[0] / base[layers]:.2f}x" if layers in base else "-"
             print(f"{variant:26} {layers:6} {cold[0]:8.1f} {cold[1]:8.1f} {warm[0]:8.1f} {warm[1]:8.1f} "
-                  f"{warm[0] / cold[0]:9.2f} {ratio:>21} {warm[2] * 1e3:8.1f}")
+                  f"{warm[0] / cold[0]:9.2f} {ratio:>21} {warm[2] * 1e3:8.1f} {cold[3]:12.0f}")
             sys.stdout.flush()
     if len(a.layers) > 1:
         lo, hi = min(a.layers), max(a.layers)

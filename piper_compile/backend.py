@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import logging
 import weakref
-import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +65,21 @@ class Plan:
 
 @dataclass
 class Blueprint:
-    """A planned strategy, shared by every model instance the compiled code runs for."""
+    """A planned strategy, shared by every model instance the compiled code runs for. What only a run
+    needs (the fingerprint of the DAG's text, the call layout) is made on first use: planning alone
+    (``piper.plan``, ``autoplan``'s candidates) never pays for them."""
 
     dag: TrainingDAG
-    programs: list[Program]
-    fingerprint: int
-    layout: CallLayout
+    programs: Sequence[Program]
+    world: int
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        return fingerprint(self.dag.to_text())
+
+    @functools.cached_property
+    def layout(self) -> CallLayout:
+        return call_layout(self.dag, self.world)
 
 
 class _NoopBackward(torch.autograd.Function):
@@ -290,8 +301,7 @@ class CompiledStep:
             verify_programs(programs)
             if self.options.memory_budget_mb is not None and not forward_only:  # before anything runs
                 check_budget(plan_memory(dag, programs, self.options.optimizer), self.options.memory_budget_mb)
-            self.blueprints[forward_only] = Blueprint(dag, programs, fingerprint(dag.to_text()),
-                                                      call_layout(dag, self.world))
+            self.blueprints[forward_only] = Blueprint(dag, programs, self.world)
         return self.blueprints[forward_only]
 
     def plan(self, forward_only: bool) -> Plan:

@@ -19,6 +19,7 @@ one new class in one module plus its registration in ``ir/ops/__init__.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from piper_compile.ir.kind import Kind
@@ -59,7 +60,7 @@ class Op:
 
     def queue(self, node: "Node", rank: int, peer: int | None) -> QueueKey:
         """The FIFO this (asynchronous) instruction of ``rank`` joins: one per process group."""
-        return (rank, f"{node.stream}@{','.join(map(str, sorted(self.members(node, rank))))}", -1)
+        return (rank, f"{node.stream}@{_ranks_label(tuple(self.members(node, rank)))}", -1)
 
     def process_groups(self, node: "Node", world: int) -> list[GroupKey]:
         """Process groups the runtime needs for this op (created in the same order on every rank)."""
@@ -86,6 +87,12 @@ class Op:
     # -- runtime --------------------------------------------------------------------------------------
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:  # pragma: no cover - every non-compute op says
         raise NotImplementedError(f"piper: internal: no runtime for {type(self).__name__}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _ranks_label(members: tuple[int, ...]) -> str:
+    """``0,8,16,...``: a group's ranks in order, written once per group (groups of thousands of ranks)."""
+    return ",".join(map(str, sorted(members)))
 
 
 LOSS = "<loss>"  # the accumulation into the step's loss, beside gradient names in ``accumulates``
