@@ -8,6 +8,7 @@ needs it. The DAG prints as one line per node and parses back (see ``to_text`` /
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -89,7 +90,9 @@ class Node:
 
     @property
     def tag_dict(self) -> dict[str, TagValue]:
-        return dict(self.tags)
+        """The tags as a dict, made once per distinct tags (directive filters match every node, for every
+        filter of every directive). Shared: read it, never change it."""
+        return _tags_dict(self.tags)
 
     def with_(self, **changes: Any) -> "Node":
         return dataclasses.replace(self, **changes)
@@ -116,6 +119,11 @@ class Node:
             f"in={','.join(self.inputs) or '-'} out={','.join(self.outputs) or '-'} "
             f"tags={format_tags(self.tags)} op={self.op.NAME}{op} attrs={attrs}"
         )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _tags_dict(tags: Tags) -> dict[str, TagValue]:
+    return dict(tags)
 
 
 def parse_node(line: str) -> Node:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from piper_compile.directives.spec import ANY, Checkpoint, Directive, Filter, Order, Place, Replicate, Split, filter_matches
 from piper_compile.ir.dag import Kind, Node, TrainingDAG
@@ -15,13 +14,6 @@ from piper_compile.passes.context import PassContext
 
 def _compute(dag: TrainingDAG) -> list[Node]:
     return dag.of_kind(Kind.COMPUTE)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _tag_dict(tags: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
-    """A node's tags as a dict, made once per distinct tags (``match`` runs once per filter of every
-    directive over every compute node). Read only."""
-    return dict(tags)
 
 
 def _regions_text(dag: TrainingDAG) -> str:
@@ -45,7 +37,7 @@ def match(dag: TrainingDAG, d: Directive, flt: Filter, ctx: PassContext, allow_e
         raise d.error(f"filter {flt} uses tag(s) {unknown} that no part of the model has{hint}; "
                       f"the model's tags are {sorted(known)}",
                       "annotate the model with that tag (piper.annotate) or fix the filter's tag name")
-    nodes = [n for n in _compute(dag) if filter_matches(flt, _tag_dict(n.tags))]
+    nodes = [n for n in _compute(dag) if filter_matches(flt, n.tag_dict)]
     if not nodes and not allow_empty:
         raise d.error(f"filter {flt} matches no region; the model's regions are {_regions_text(dag)}",
                       "use a tag index that the model has, or '*'")

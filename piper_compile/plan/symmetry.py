@@ -192,8 +192,8 @@ def _fold(programs: list[Any], rep_of: Sequence[int]) -> list[Any] | None:
             if i.peer is None:
                 instrs.append(i)
                 continue
-            q = dataclasses.replace(i, peer=rep_of[i.peer])
-            if real.setdefault(q.queue(p.rank), i.queue(p.rank)) != i.queue(p.rank):
+            q, key = dataclasses.replace(i, peer=rep_of[i.peer]), i.queue(p.rank)
+            if real.setdefault(q.queue(p.rank), key) != key:
                 return None  # two real channels would share one queue in the quotient
             instrs.append(q)
         out.append(Program(p.rank, instrs))

@@ -60,7 +60,6 @@ class Segment(Local):
     def accumulates(self) -> frozenset[str]:
         return frozenset({f for _, f in self.grads} | ({LOSS} if self.loss else set()))
 
-
     def compute(self, rt: Any, ins: "Instr", inputs: list[Any]) -> list[Any]:
         seg = rt.segments[self.segment]
         if not seg.fused or rt.grads is None:
