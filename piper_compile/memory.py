@@ -122,8 +122,16 @@ class RankMemory:
     rank: int
     figures: MemoryFigures
     peak_pos: int
-    peak_step: str
+    peak_instr: Any  # the instruction at ``peak_pos`` (its class representative's, for a folded plan) or None
     live_at_peak: list[tuple[str, int]]
+
+    @property
+    def peak_step(self) -> str:
+        """The label of the step at the activation peak, naming this rank's own peer."""
+        ins = self.peak_instr
+        if ins is None:
+            return "-"
+        return ins.node.short(ins.node.op.peer(ins.node, self.rank)) if ins.peer is not None else ins.short()
 
     def contributors(self, n: int = 5) -> list[tuple[str, int]]:
         """The ``n`` largest parts of the peak: state by kind and the largest activations live at it."""
@@ -163,10 +171,9 @@ def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None) -> dic
                                 res.peak_gathered_bytes.get(rep, 0), res.peak_grad_bytes.get(rep, 0))
         pos = res.peak_activation_pos.get(rep, -1)
         ins = p.instrs[pos] if 0 <= pos < len(p.instrs) else None
-        peers = dict(zip(ins.node.devices, ins.node.op.pairs(ins.node))) if ins and ins.peer is not None else {}
-        for r in ranks:  # the label names each rank's own peer
-            step = "-" if ins is None else ins.node.short(peers[r]) if peers else ins.short()
-            out[r] = RankMemory(r, figures, pos, step, res.live_at_peak.get(rep, []))
+        live = res.live_at_peak.get(rep, [])
+        for r in ranks:
+            out[r] = RankMemory(r, figures, pos, ins, live)
     return out
 
 

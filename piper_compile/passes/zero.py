@@ -16,12 +16,14 @@ from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import PARAM_PREFIX as PARAM, Kind, Node, TrainingDAG, param_fqn
 from piper_compile.ir.meta import ZeroGroup
 from piper_compile.ir.ops import ParamGather
+from piper_compile.ir.ranks import compact
 from piper_compile.ir.order import schedule_order
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.tensor_parallel import dp_subgroups
 
 def group_label(devices: tuple[int, ...]) -> str:
-    return "r" + "_".join(map(str, devices))
+    """``r0_1``, ``r0-3``, ``r0-16376:8``: a device group in node and bucket names."""
+    return "r" + compact(tuple(devices), "_")
 
 
 def holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:

@@ -26,10 +26,11 @@ the representative's instructions that rank's peers.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
+
+import torch
 
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.ir.ops import QueueKey
@@ -55,76 +56,128 @@ class Symmetry:
         return len(self.classes) == len(self.rep_of)
 
 
-def _memberships(dag: TrainingDAG, world: int) -> list[tuple[int, ...]]:
-    """Per rank, the distinct device groups (by first appearance) it belongs to: its program's nodes."""
-    groups: dict[tuple[int, ...], int] = {}
+def _group_columns(dag: TrainingDAG, world: int) -> torch.Tensor:
+    """Per rank (row), one 0/1 column per distinct device group of the DAG: the groups it belongs to, which
+    decide its program's nodes."""
+    groups: dict[tuple[int, ...], None] = {}
     for n in dag:
-        groups.setdefault(n.devices, len(groups))
-    member: list[list[int]] = [[] for _ in range(world)]
-    for devices, gid in groups.items():
-        for r in devices:
-            if 0 <= r < world:
-                member[r].append(gid)
-    return [tuple(m) for m in member]
+        groups.setdefault(n.devices, None)
+    cols = torch.zeros((world, len(groups)), dtype=torch.long)
+    for g, devices in enumerate(groups):
+        idx = torch.tensor(devices, dtype=torch.long)
+        cols[idx[(idx >= 0) & (idx < world)], g] = 1
+    return cols
+
+
+def _p2p_peers(dag: TrainingDAG, world: int) -> torch.Tensor:
+    """Per rank (row), its peer in each distinct point-to-point tie (column; -1 where it is not in it). A
+    tie is the steps of one kind and stream between the same groups in the same pairing."""
+    seen: dict[Any, None] = {}
+    for n in dag:
+        if isinstance(n.op, PointToPoint):
+            seen.setdefault((n.kind, n.stream, n.devices, n.op.pairs(n)), None)
+    peers = torch.full((world, len(seen)), -1, dtype=torch.long)
+    for t, (_, _, devices, pairs) in enumerate(seen):
+        peers[torch.tensor(devices, dtype=torch.long), t] = torch.tensor(pairs, dtype=torch.long)
+    return peers
+
+
+def _shared_peers(peers: torch.Tensor) -> torch.Tensor:
+    """For each (rank, tie), the first tie of that rank with the same peer (-1 where it has none): which of
+    a rank's steps share a peer, and so its channels and FIFO queues."""
+    world, ties = peers.shape
+    if ties == 0:
+        return peers.clone()
+    present = peers >= 0
+    keys = torch.arange(world).unsqueeze(1) * (world + 1) + peers
+    _, inv = torch.unique(keys[present], return_inverse=True)
+    tie = torch.arange(ties).expand(world, ties)[present]
+    first = torch.full((int(inv.max()) + 1,), ties, dtype=torch.long).scatter_reduce(0, inv, tie, "amin")
+    out = torch.full_like(peers, -1)
+    out[present] = first[inv]
+    return out
 
 
 @dataclass
-class _Ties:
-    """What ties each rank to ranks outside its device groups: P2P peers and collective subgroups."""
+class _Subgroups:
+    """One collective's subgroups (tensor parallelism): their members, padded with -1, and per rank the
+    subgroup it is in (-1 where none)."""
 
-    p2p: list[list[tuple[int, int, bool, int]]]  # rank -> (tie, peer, peer above, local peer id)
-    subgroups: list[tuple[int, tuple[int, ...]]]  # (tie, ranks of one subgroup)
-    member_of: list[list[int]]  # rank -> indices into ``subgroups``
+    members: torch.Tensor  # subgroup -> member ranks (-1 padded)
+    of_rank: torch.Tensor  # rank -> subgroup index or -1
 
 
-def _ties(dag: TrainingDAG, world: int) -> _Ties:
-    seen: set[Any] = set()
-    p2p: list[list[tuple[int, int, bool, int]]] = [[] for _ in range(world)]
-    out = _Ties(p2p, [], [[] for _ in range(world)])
+def _subgroups(dag: TrainingDAG, world: int) -> list[_Subgroups]:
+    seen: dict[Any, None] = {}
     for n in dag:
-        op = n.op
-        if isinstance(op, PointToPoint):
-            key: Any = (n.kind, n.stream, n.devices, op.pairs(n))
-            if key not in seen:
-                seen.add(key)
-                for r, peer in zip(n.devices, op.pairs(n)):
-                    p2p[r].append((len(seen), peer, peer > r, 0))
-        elif getattr(op, "subgroups", None):
-            key = (n.stream, op.subgroups)  # type: ignore[attr-defined]
-            if key not in seen:
-                seen.add(key)
-                for g in op.subgroups:  # type: ignore[attr-defined]
-                    for r in g:
-                        out.member_of[r].append(len(out.subgroups))
-                    out.subgroups.append((len(seen), tuple(g)))
-    for r, ties in enumerate(p2p):  # which of a rank's steps share a peer (they share its channels)
-        local: dict[int, int] = {}
-        p2p[r] = [(t, p, up, local.setdefault(p, len(local))) for t, p, up, _ in ties]
+        subs = getattr(n.op, "subgroups", None)
+        if subs:
+            seen.setdefault((n.stream, subs), None)
+    out: list[_Subgroups] = []
+    for _, subs in seen:
+        width = max(len(g) for g in subs)
+        members = torch.tensor([tuple(g) + (-1,) * (width - len(g)) for g in subs], dtype=torch.long)
+        for occurrence in _occurrences(subs, world):  # a rank in two subgroups of one collective: a column each
+            out.append(_Subgroups(members, occurrence))
     return out
+
+
+def _occurrences(subs: Any, world: int) -> list[torch.Tensor]:
+    """Per k, rank -> the index of its k-th subgroup in ``subs`` (-1 where it has fewer)."""
+    cols: list[torch.Tensor] = []
+    count = [0] * world
+    for i, g in enumerate(subs):
+        for r in g:
+            if count[r] == len(cols):
+                cols.append(torch.full((world,), -1, dtype=torch.long))
+            cols[count[r]][r] = i
+            count[r] += 1
+    return cols
+
+
+def _classes_of(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Class ids of equal rows, and how many classes."""
+    _, inv = torch.unique(rows, dim=0, return_inverse=True)
+    return inv, int(inv.max()) + 1 if inv.numel() else 0
+
+
+def _subgroup_columns(subs: list[_Subgroups], color: torch.Tensor) -> torch.Tensor:
+    """Per rank, for each collective with subgroups, the multiset of classes of its subgroup's members."""
+    cols = []
+    for s in subs:
+        member_colors = torch.where(s.members >= 0, color[s.members.clamp(min=0)], -1).sort(dim=1).values
+        kind, _ = _classes_of(member_colors)
+        cols.append(torch.where(s.of_rank >= 0, kind[s.of_rank.clamp(min=0)], -1))
+    return torch.stack(cols, 1) if cols else color.new_zeros((color.numel(), 0))
 
 
 def rank_classes(dag: TrainingDAG, world: int) -> Symmetry:
     """The coarsest partition of ``range(world)`` into classes of ranks with the same program up to rank
-    ids (see the module docstring), by colour refinement from the device groups."""
-    first: dict[Any, int] = {}
-    color = [first.setdefault(m, len(first)) for m in _memberships(dag, world)]
-    ties = _ties(dag, world)
-    count = len(first)
+    ids (see the module docstring), by colour refinement from the device groups (vectorized: a rank's
+    colour is the class of its row of features)."""
+    peers = _p2p_peers(dag, world)
+    ranks = torch.arange(world).unsqueeze(1)
+    up = torch.where(peers >= 0, (peers > ranks).long(), -1)
+    color, count = _classes_of(torch.cat([_group_columns(dag, world), up, _shared_peers(peers)], 1))
+    subs = _subgroups(dag, world)
     while True:
-        sub = [(t, tuple(sorted(Counter(color[m] for m in g).items()))) for t, g in ties.subgroups]
-        ids: dict[Any, int] = {}
-        new = [ids.setdefault((color[r], tuple((t, color[p], up, k) for t, p, up, k in ties.p2p[r]),
-                               tuple(sub[i] for i in ties.member_of[r])), len(ids)) for r in range(world)]
-        color = new
-        if len(ids) == count:
+        peer_colors = torch.where(peers >= 0, color[peers.clamp(min=0)], -1)
+        color, new = _classes_of(torch.cat([color.unsqueeze(1), peer_colors, _subgroup_columns(subs, color)], 1))
+        if new == count:
             break
-        count = len(ids)
+        count = new
+    return _symmetry(color)
+
+
+def _symmetry(color: torch.Tensor) -> Symmetry:
+    """The partition of ranks by ``color``, each class represented by its lowest rank."""
+    colors = color.tolist()
     reps: dict[int, int] = {}
     members: dict[int, list[int]] = {}
-    for r, c in enumerate(color):
+    for r, c in enumerate(colors):
         rep = reps.setdefault(c, r)
         members.setdefault(rep, []).append(r)
-    return Symmetry(tuple(reps[c] for c in color), {rep: tuple(rs) for rep, rs in members.items()})
+    return Symmetry(tuple(reps[c] for c in colors), {rep: tuple(rs) for rep, rs in members.items()})
 
 
 class Programs(Sequence[Any]):

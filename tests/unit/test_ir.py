@@ -338,3 +338,22 @@ def test_fresh_meta_is_not_printed_and_a_copy_is_independent() -> None:
     copy.meta.order_by[("a", "b")] = 1
     copy.meta.zero = {}
     assert dag.meta.order_by == {} and dag.meta.zero is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=30), st.sampled_from([",", "_"]))
+def test_rank_lists_round_trip_compactly(ranks: list[int], sep: str) -> None:
+    from piper_compile.ir.ranks import compact, expand
+
+    text = compact(tuple(ranks), sep)
+    assert expand(text, sep) == tuple(ranks)
+    assert len(text) <= len(sep.join(map(str, ranks)))
+
+
+def test_rank_lists_write_runs_as_ranges() -> None:
+    from piper_compile.ir.ranks import compact
+
+    assert compact((0, 1)) == "0,1" and compact((0, 1), "_") == "0_1"  # two ranks stay a list
+    assert compact((0, 1, 2, 3, 9)) == "0-3,9"
+    assert compact(tuple(range(0, 16384, 8))) == "0-16376:8"
+    assert compact((5, 3, 1, 2, 3)) == "5,3,1-3"  # order kept: it pairs the ranks of two groups

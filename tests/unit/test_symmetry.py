@@ -189,3 +189,75 @@ def test_a_large_world_builds_one_program_per_class():
     assert len(res.ranks) == len(memory) == 4096 and res.classes[3] == tuple(range(3, 4096, 4))
     assert res.busy[4095] == res.busy[3] and memory[4094].figures == memory[2].figures
     assert plan.programs[4093].instrs[0].peer != plan.programs[1].instrs[0].peer  # its own peer
+
+
+def _reference_classes(dag: TrainingDAG, world: int) -> dict[int, tuple[int, ...]]:
+    """Colour refinement written plainly, rank by rank (what ``rank_classes`` computes with tensors)."""
+    from collections import Counter
+
+    from piper_compile.ir.ops.p2p import PointToPoint
+
+    groups = list(dict.fromkeys(n.devices for n in dag))
+    color = [tuple(g for g, d in enumerate(groups) if r in d) for r in range(world)]
+    ties = list(dict.fromkeys((n.kind, n.stream, n.devices, n.op.pairs(n)) for n in dag
+                              if isinstance(n.op, PointToPoint)))
+    subs = list(dict.fromkeys(n.op.subgroups for n in dag if getattr(n.op, "subgroups", None)))
+    p2p = [[(t, dict(zip(d, p))[r]) for t, (_, _, d, p) in enumerate(ties) if r in d] for r in range(world)]
+    static = [tuple((t, p > r, next(u for u, q in p2p[r] if q == p)) for t, p in p2p[r]) for r in range(world)]
+    while True:
+        sub = [[tuple(sorted(Counter(color[m] for m in g).items())) for g in s] for s in subs]
+        new = [(color[r], static[r], tuple(color[p] for _, p in p2p[r]),
+                tuple(sub[k][i] for k, s in enumerate(subs) for i, g in enumerate(s) if r in g)) for r in range(world)]
+        if len(set(new)) == len(set(color)):
+            break
+        color = new
+    out: dict[int, list[int]] = {}
+    for r in range(world):
+        out.setdefault(min(q for q in range(world) if color[q] == color[r]), []).append(r)
+    return {rep: tuple(rs) for rep, rs in out.items()}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_rank_classes_equal_plain_colour_refinement(seed):
+    """Random groups, pairings and subgroups: the tensor version finds the partition a plain rank-by-rank
+    refinement finds."""
+    from piper_compile.ir.ops import TpCollective
+
+    g = torch.Generator().manual_seed(seed)
+    world = int(torch.randint(2, 13, (1,), generator=g))
+
+    def group(size: int) -> tuple[int, ...]:
+        return tuple(sorted(torch.randperm(world, generator=g)[:size].tolist()))
+
+    dag = TrainingDAG()
+    used: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for i in range(int(torch.randint(1, 7, (1,), generator=g))):
+        size = int(torch.randint(1, world // 2 + 1, (1,), generator=g))
+        reuse = used and torch.rand((), generator=g) < 0.5  # the same groups, paired again: shared peers
+        a, b = used[int(torch.randint(len(used), (1,), generator=g))] if reuse else (group(size), group(size))
+        used.append((a, b))
+        size = len(a)
+        dst = tuple(b[j] for j in torch.randperm(size, generator=g).tolist())
+        dag.add(Node(f"f{i}", Segment("f"), devices=a, outputs=(f"x{i}",)))
+        dag.add(Node(f"s{i}", Send(f"m{i}", dst), devices=a, stream="pp", inputs=(f"x{i}",)))
+        dag.add(Node(f"r{i}", Recv(f"m{i}", tuple(a[dst.index(r)] for r in b)), devices=b, stream="pp",
+                     outputs=(f"y{i}",)))
+        if torch.rand((), generator=g) < 0.4:
+            perm = torch.randperm(world, generator=g).tolist()
+            k = int(torch.randint(1, 4, (1,), generator=g))
+            subs = tuple(tuple(sorted(perm[j:j + k])) for j in range(0, world, k))
+            dag.add(Node(f"tp{i}", TpCollective("all_reduce", subs), devices=tuple(range(world)), stream="tp",
+                         inputs=(f"y{i}",)))
+    assert rank_classes(dag, world).classes == _reference_classes(dag, world)
+
+
+def test_ranks_whose_steps_share_a_peer_differ_from_those_whose_do_not():
+    """Ranks 0-2 send two messages each to ranks 3-5 on one stream, the second pairing a permutation with a
+    fixed point: rank 0 sends both to rank 3 (one channel), ranks 1 and 2 to two ranks each. Every group,
+    pairing and peer class is alike, only the channels differ, and that splits the classes."""
+    dag = TrainingDAG()
+    for i, dst in enumerate([(3, 4, 5), (3, 5, 4)]):
+        dag.add(Node(f"s{i}", Send(f"m{i}", dst), devices=(0, 1, 2), stream="pp"))
+        dag.add(Node(f"r{i}", Recv(f"m{i}", tuple((0, 1, 2)[dst.index(r)] for r in (3, 4, 5))), devices=(3, 4, 5),
+                     stream="pp"))
+    assert rank_classes(dag, 6).classes == _reference_classes(dag, 6) == {0: (0,), 1: (1, 2), 3: (3,), 4: (4, 5)}

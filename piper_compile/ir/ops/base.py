@@ -23,6 +23,7 @@ import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from piper_compile.ir.kind import Kind
+from piper_compile.ir.ranks import compact
 
 if TYPE_CHECKING:  # only for annotations: ir does not import the plan, the simulator or the runtime
     from piper_compile.ir.dag import Node
@@ -91,8 +92,8 @@ class Op:
 
 @functools.lru_cache(maxsize=1024)
 def _ranks_label(members: tuple[int, ...]) -> str:
-    """``0,8,16,...``: a group's ranks in order, written once per group (groups of thousands of ranks)."""
-    return ",".join(map(str, sorted(members)))
+    """``0-16376:8``: a group's ranks in order, written once per group (groups of thousands of ranks)."""
+    return compact(tuple(sorted(members)))
 
 
 LOSS = "<loss>"  # the accumulation into the step's loss, beside gradient names in ``accumulates``
