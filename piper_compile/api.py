@@ -126,8 +126,8 @@ class StaticPlan:
         self._memory: dict[int, Any] | None = None
 
     @property
-    def memory(self) -> dict[int, Any]:
-        """Every rank's predicted memory (``memory.RankMemory``): parameters, compute copies, gradients,
+    def memory(self) -> Any:
+        """Every rank's predicted memory (``memory.RankMemories``: rank -> ``memory.RankMemory``): parameters, compute copies, gradients,
         optimizer state, peak activations, ZeRO-3 gathered parameters and gradient buffers, the step where
         the activations peak and the values live there. ``str()`` of one rank's entry is a short report."""
         if self._memory is None:

@@ -120,7 +120,7 @@ def _show_programs(programs: Any, ranks: list[int] | None, verbose: bool) -> Non
 def _report_memory(result: "piper.StaticPlan", ranks: list[int] | None) -> None:  # noqa: F821
     """Predicted memory of the ranks shown (default: rank 0 and the rank with the highest peak)."""
     memory = result.memory
-    worst = max(memory.values(), key=lambda m: m.figures.peak_total)
+    worst = max(memory.reps.values(), key=lambda m: m.figures.peak_total)  # one per class
     for r in sorted(set(ranks) if ranks is not None else {0, worst.rank}):
         print("# memory " + str(memory[r]).replace("\n", "\n# "))
 

@@ -6,7 +6,8 @@ that has not run (``piper.plan(...).memory``, ``explain``), with the step where 
 values live there; ``check_budget`` rejects a plan over ``options["memory_budget_mb"]`` before it runs."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -151,7 +152,36 @@ class RankMemory:
         return self.format()
 
 
-def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None) -> dict[int, RankMemory]:
+class RankMemories(Mapping[int, RankMemory]):
+    """Every rank's predicted memory (rank -> ``RankMemory``, ascending), kept once per class of identical
+    programs: ``reps`` (representative -> its memory) and ``classes`` (representative -> its ranks)."""
+
+    def __init__(self, reps: dict[int, RankMemory], classes: dict[int, tuple[int, ...]]) -> None:
+        self.reps, self.classes = reps, classes
+        self._rep_of: dict[int, int] | None = None
+
+    def _reps(self) -> dict[int, int]:
+        if self._rep_of is None:
+            self._rep_of = dict(sorted((r, rep) for rep, ranks in self.classes.items() for r in ranks))
+        return self._rep_of
+
+    def __getitem__(self, rank: int) -> RankMemory:
+        rep = self._reps()[rank]
+        m = self.reps[rep]
+        return m if rep == rank else dataclasses.replace(m, rank=rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._reps())
+
+    def __len__(self) -> int:
+        return sum(len(ranks) for ranks in self.classes.values())
+
+    def peaks(self) -> dict[int, int]:
+        """Rank -> predicted peak bytes, without making every rank's ``RankMemory``."""
+        return {r: self.reps[rep].figures.peak_total for r, rep in self._reps().items()}
+
+
+def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None) -> RankMemories:
     """Every rank's predicted memory for planned ``programs`` (``optimizer``: the optimizer, its class or a
     partial of it, for the state it keeps per parameter element)."""
     from piper_compile.sim.cost import UniformCost
@@ -161,20 +191,18 @@ def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None) -> dic
     res = simulate(programs, UniformCost(comm=MEMORY_COMM_S), dag)
     sizes = Sizes.from_dag(dag)
     factor = optimizer_state_factor(optimizer)
-    out: dict[int, RankMemory] = {}
+    reps: dict[int, RankMemory] = {}
     # a quotient simulation: each class's figures once, from its representative's program
     classes = res.classes or {p.rank: (p.rank,) for p in programs}
-    for rep, ranks in classes.items():
+    for rep in classes:
         p = programs[rep]
         figures = MemoryFigures(res.param_bytes[rep], copy_bytes(p, sizes), res.grad_bytes[rep],
                                 factor * trained_bytes(p, sizes), res.peak_activation_bytes[rep],
                                 res.peak_gathered_bytes.get(rep, 0), res.peak_grad_bytes.get(rep, 0))
         pos = res.peak_activation_pos.get(rep, -1)
         ins = p.instrs[pos] if 0 <= pos < len(p.instrs) else None
-        live = res.live_at_peak.get(rep, [])
-        for r in ranks:
-            out[r] = RankMemory(r, figures, pos, ins, live)
-    return out
+        reps[rep] = RankMemory(rep, figures, pos, ins, res.live_at_peak.get(rep, []))
+    return RankMemories(reps, classes)
 
 
 def check_budget(memory: dict[int, RankMemory], budget_mb: float) -> None:

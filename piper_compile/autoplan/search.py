@@ -293,7 +293,7 @@ class _Search:
         plan = StaticPlan(dag, programs, cs.segments, self.optimizer)
         cs.state.steps.remove(cs)  # a candidate, not a step of the model: nothing keeps it alive
         sim = simulate_plan(plan, self.cost)
-        peak = {r: m.figures.peak_total / MiB for r, m in plan.memory.items()}
+        peak = {r: b / MiB for r, b in plan.memory.peaks().items()}
         self.stage_counts.add(c.stages)
         return Choice(c, directives, sim.step_time, sim.bubble, peak, stages, self.costs.path, dag.to_text())
 

@@ -102,10 +102,22 @@ def _predecessors(dag: TrainingDAG) -> dict[str, set[str]]:
     return dag.cached("predecessors", (len(dag.nodes), len(dag.order_edges)), dag.predecessors)
 
 
-def _device_sets(dag: TrainingDAG) -> dict[tuple[int, ...], frozenset[int]]:
-    """Each device group of the DAG as a set (membership tests on groups of thousands of ranks)."""
-    return dag.cached("device_sets", (len(dag.nodes), len(dag.order_edges)),
-                      lambda: {d: frozenset(d) for d in {n.devices for n in dag}})
+def _device_sets(dag: TrainingDAG) -> dict[str, frozenset[int]]:
+    """Each node's device group as a set, by node name (membership tests on groups of thousands of ranks;
+    one set per distinct group, found by identity first: hashing a group of thousands of ranks per node
+    costs more than the test)."""
+    def make() -> dict[str, frozenset[int]]:
+        by_id: dict[int, frozenset[int]] = {}
+        by_value: dict[tuple[int, ...], frozenset[int]] = {}
+        out: dict[str, frozenset[int]] = {}
+        for n in dag:
+            s = by_id.get(id(n.devices))
+            if s is None:
+                s = by_id[id(n.devices)] = by_value.setdefault(n.devices, frozenset(n.devices))
+            out[n.name] = s
+        return out
+
+    return dag.cached("device_sets", (len(dag.nodes), len(dag.order_edges)), make)
 
 
 def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
@@ -116,7 +128,7 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     glob = schedule_order(dag)
     gpos = {n: i for i, n in enumerate(glob)}
     mine = _device_sets(dag)
-    order = [dag.nodes[n] for n in glob if rank in mine[dag.nodes[n].devices] and dag.nodes[n].kind is not Kind.RECV]
+    order = [dag.nodes[n] for n in glob if rank in mine[n] and dag.nodes[n].kind is not Kind.RECV]
     preds = _predecessors(dag)
     succs: dict[str, list[str]] = defaultdict(list)
     for b, ps in preds.items():
@@ -127,7 +139,7 @@ def _local_order(dag: TrainingDAG, rank: int) -> list[Node]:
     channels: dict[tuple[str, int], list[tuple[int, int, Node]]] = defaultdict(list)
     recv_at: dict[str, int] = {}
     depth: dict[str, int] = {}  # RECVs it is ordered after, transitively (a tied gradient's parts)
-    for n in sorted((n for n in dag.of_kind(Kind.RECV) if rank in mine[n.devices]), key=lambda n: gpos[n.name]):
+    for n in sorted((n for n in dag.of_kind(Kind.RECV) if rank in mine[n.name]), key=lambda n: gpos[n.name]):
         first = min((pos[s] for s in succs[n.name] if s in pos), default=len(order))
         at = 0
         for j in range(first - 1, -1, -1):

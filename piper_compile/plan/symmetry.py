@@ -136,9 +136,19 @@ def _occurrences(subs: Any, world: int) -> list[torch.Tensor]:
 
 
 def _classes_of(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Class ids of equal rows, and how many classes."""
-    _, inv = torch.unique(rows, dim=0, return_inverse=True)
-    return inv, int(inv.max()) + 1 if inv.numel() else 0
+    """Class ids of equal rows, and how many classes: rows grouped by a 64-bit hash (a 1-d unique, much
+    faster than sorting whole rows), checked to be equal to their class's first row, else sorted."""
+    if rows.numel() == 0:
+        return torch.zeros(rows.shape[0], dtype=torch.long), int(rows.shape[0] > 0)
+    weights = torch.randint(-(2**62), 2**62, (rows.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
+    _, inv = torch.unique((rows * weights).sum(1), return_inverse=True)  # wraps around: a hash
+    count = int(inv.max()) + 1
+    first = torch.full((count,), rows.shape[0], dtype=torch.long).scatter_reduce(
+        0, inv, torch.arange(rows.shape[0]), "amin")
+    if not bool((rows == rows[first[inv]]).all()):  # two different rows share a hash
+        _, inv = torch.unique(rows, dim=0, return_inverse=True)
+        count = int(inv.max()) + 1
+    return inv, count
 
 
 def _subgroup_columns(subs: list[_Subgroups], color: torch.Tensor) -> torch.Tensor:
@@ -254,13 +264,17 @@ def _fold(programs: list[Any], rep_of: Sequence[int]) -> list[Any] | None:
 
 
 def member_keys(ins: Any, rank: int, group: str, rep_of: Sequence[int] | None,
-                cache: dict[tuple[str, int], list[QueueKey]]) -> list[QueueKey]:
+                cache: dict[tuple[Any, int], Any]) -> list[QueueKey]:
     """The queues whose heads a collective of ``rank`` (on process group ``group``) completes with: every
-    member's, or in a quotient (``rep_of``) one representative's per member class."""
+    member's, or in a quotient (``rep_of``) one representative's per member class. ``cache``: (instruction,
+    rank) -> its queues, and (id of a member tuple, -1) -> (that tuple, its members' representatives)."""
     if rep_of is None:
         return [(m, group, -1) for m in ins.members(rank)]
     key = (ins.name, rank)
     if key not in cache:
-        reps = sorted({rep_of[m] for m in ins.members(rank)})
-        cache[key] = [ins.queue(r) for r in reps]
+        members = ins.members(rank)
+        by_group = (id(members), -1)  # one group of thousands of ranks is met by many collectives
+        if by_group not in cache:
+            cache[by_group] = (members, sorted({rep_of[m] for m in members}))  # keeps ``members`` (its id) alive
+        cache[key] = [ins.queue(r) for r in cache[by_group][1]]
     return cache[key]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind
@@ -89,7 +90,7 @@ def verify_folded(programs: list[Program], rep_of: Sequence[int] | None) -> Veri
     pcs = [0] * len(programs)
     done: list[set[str]] = [set() for _ in programs]
     queues: dict[tuple[int, str, int], deque[Instr]] = {}  # (rank, group name, peer or -1)
-    keys: dict[tuple[str, int], list[QueueKey]] = {}  # a collective's member queues in a quotient
+    keys: dict[tuple[Any, int], Any] = {}  # a collective's member queues in a quotient (``member_keys``)
     rounds = 0
     while True:
         rounds += 1

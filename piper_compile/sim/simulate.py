@@ -117,7 +117,7 @@ class _Sim:
         self.programs = programs
         self.cost = cost
         self.rep_of = rep_of  # a quotient (``plan/symmetry.py``): rank -> its class's representative
-        self.member_queues: dict[tuple[str, int], list[QueueKey]] = {}
+        self.member_queues: dict[tuple[Any, int], Any] = {}  # ``member_keys``'s cache
         self.ranks = [p.rank for p in programs]
         self.host = {p.rank: cost.prologue(p.rank) for p in programs}
         self.pcs = {p.rank: 0 for p in programs}

@@ -261,3 +261,14 @@ def test_ranks_whose_steps_share_a_peer_differ_from_those_whose_do_not():
         dag.add(Node(f"r{i}", Recv(f"m{i}", tuple((0, 1, 2)[dst.index(r)] for r in (3, 4, 5))), devices=(3, 4, 5),
                      stream="pp"))
     assert rank_classes(dag, 6).classes == _reference_classes(dag, 6) == {0: (0,), 1: (1, 2), 3: (3,), 4: (4, 5)}
+
+
+def test_rows_whose_hashes_collide_are_still_told_apart():
+    """``_classes_of`` groups rows by a hash; two different rows with the same hash go to the exact sort."""
+    from piper_compile.plan.symmetry import _classes_of
+
+    w = torch.randint(-(2**62), 2**62, (2,), generator=torch.Generator().manual_seed(0)) | 1
+    rows = torch.stack([torch.zeros(2, dtype=torch.long), torch.stack([w[1], -w[0]]), torch.zeros(2, dtype=torch.long)])
+    assert int((rows[1] * w).sum()) == 0  # the same hash as the zero row
+    inv, count = _classes_of(rows)
+    assert count == 2 and inv[0] == inv[2] != inv[1]
