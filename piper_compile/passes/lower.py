@@ -196,6 +196,8 @@ def _exchange_parts(dag: TrainingDAG, writers: dict[str, list[Node]], index: dic
     backward, which may need this rank's later activation gradients): it can only arrive after the root
     received the part, so the send has read the buffer by then."""
     for fqn, ws in list(writers.items()):
+        if all(w.devices is ws[0].devices for w in ws):  # one group (without hashing groups of thousands)
+            continue
         by_group: dict[tuple[int, ...], list[Node]] = defaultdict(list)
         for w in ws:
             by_group[w.devices].append(w)
@@ -252,7 +254,7 @@ def insert_grad_sync(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     for fqn, groups in held.items():
         if fqn not in writers:
             continue
-        src = next(iter({w.devices for w in writers[fqn]}))
+        src = writers[fqn][0].devices  # one group: the parts were exchanged (``_exchange_parts``)
         for dst in sorted(groups - {src}):
             msg = f"grad:{fqn}>{group_label(dst)}"
             send = dag.add(Node(f"SEND.{msg}", Send(msg, dst, state=fqn), (), src, P2P_GRAD))

@@ -20,7 +20,6 @@ from typing import Any
 from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind
 from piper_compile.plan.reorder import check_reorders
-from piper_compile.ir.ops import QueueKey
 from piper_compile.plan.program import Instr, Program
 from piper_compile.plan.symmetry import Programs, member_keys
 

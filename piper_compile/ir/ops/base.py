@@ -61,7 +61,7 @@ class Op:
 
     def queue(self, node: "Node", rank: int, peer: int | None) -> QueueKey:
         """The FIFO this (asynchronous) instruction of ``rank`` joins: one per process group."""
-        return (rank, f"{node.stream}@{_ranks_label(tuple(self.members(node, rank)))}", -1)
+        return (rank, f"{node.stream}@{_ranks_label(self.members(node, rank))}", -1)
 
     def process_groups(self, node: "Node", world: int) -> list[GroupKey]:
         """Process groups the runtime needs for this op (created in the same order on every rank)."""
@@ -90,9 +90,22 @@ class Op:
         raise NotImplementedError(f"piper: internal: no runtime for {type(self).__name__}")
 
 
-@functools.lru_cache(maxsize=1024)
+_LABELS: dict[int, tuple[tuple[int, ...], str]] = {}  # id of a member tuple -> (that tuple, its label)
+
+
 def _ranks_label(members: tuple[int, ...]) -> str:
-    """``0-16376:8``: a group's ranks in order, written once per group (groups of thousands of ranks)."""
+    """``0-16376:8``: a group's ranks in order, written once per group (groups of thousands of ranks), found
+    by the tuple's identity (hashing thousands of ranks per instruction costs more than the rest)."""
+    found = _LABELS.get(id(members))
+    if found is None or found[0] is not members:
+        if len(_LABELS) > 4096:
+            _LABELS.clear()
+        found = _LABELS[id(members)] = (members, _label(tuple(members)))
+    return found[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _label(members: tuple[int, ...]) -> str:
     return compact(tuple(sorted(members)))
 
 
