@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from piper_compile.ir.kind import Kind
 from piper_compile.ir.meta import DagMeta, parse_meta, tuplify
-from piper_compile.ir.ranks import compact, expand
+from piper_compile.ir.ranks import compact, expand, pack, unpack
 from piper_compile.ir.ops import Op, op_from_fields
 
 TagValue = int | str
@@ -114,7 +114,7 @@ class Node:
     def to_text(self) -> str:
         dev = compact(self.devices) or "-"
         attrs = json.dumps(dict(self.attrs), sort_keys=True, separators=(",", ":"))
-        op = json.dumps(self.op.fields(), separators=(",", ":"))
+        op = json.dumps({k: pack(v) for k, v in self.op.fields().items()}, separators=(",", ":"))
         return (
             f"{self.kind.value} {self.name} dev={dev} stream={self.stream} "
             f"in={','.join(self.inputs) or '-'} out={','.join(self.outputs) or '-'} "
@@ -148,7 +148,7 @@ def parse_node(line: str) -> Node:
 
     d = field_(dev, "dev")
     attrs = {k: tuplify(v) for k, v in json.loads(rest[end + len(" attrs="):]).items()}
-    node = Node(name=name, op=op_from_fields(op_name, op_fields), tags=tuple(tag_dict.items()),
+    node = Node(name=name, op=op_from_fields(op_name, {k: unpack(v) for k, v in op_fields.items()}), tags=tuple(tag_dict.items()),
                 devices=() if d == "-" else expand(d), stream=field_(stream, "stream"),
                 inputs=names(field_(ins, "in")), outputs=names(field_(outs, "out")), attrs=tuple(sorted(attrs.items())))
     assert node.kind.value == kind, (line, node.kind)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["compact", "expand"]
+__all__ = ["compact", "expand", "pack", "unpack"]
+
+PACK_AT = 16  # rank lists at least this long are written as ``{"ranks": compact}`` in an op's JSON fields
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -41,3 +43,30 @@ def expand(text: str, sep: str = ",") -> tuple[int, ...]:
         a, b = span.split("-")
         out.extend(range(int(a), int(b) + 1, int(step or 1)))
     return tuple(out)
+
+
+def pack(value: object) -> object:
+    """An op field for its JSON text: a tuple of ``PACK_AT`` or more non-negative ints (a rank list) as
+    ``{"ranks": "0-16376:8"}``, tuples of them element by element; anything else as is."""
+    if isinstance(value, tuple) and value:
+        if isinstance(value[0], tuple):
+            return [pack(v) for v in value]
+        if len(value) >= PACK_AT:
+            return _packed(value)
+    return value
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _packed(value: tuple) -> object:
+    if all(type(v) is int and v >= 0 for v in value):
+        return {"ranks": compact(value)}
+    return value
+
+
+def unpack(value: object) -> object:
+    """Inverse of ``pack`` on parsed JSON (lists stay lists; the op's parser makes them tuples)."""
+    if isinstance(value, dict) and set(value) == {"ranks"}:
+        return list(expand(value["ranks"]))
+    if isinstance(value, list):
+        return [unpack(v) for v in value]
+    return value

@@ -28,11 +28,14 @@ def group_label(devices: tuple[int, ...]) -> str:
 
 def holders(dag: TrainingDAG) -> dict[str, set[tuple[int, ...]]]:
     """Device groups that read each parameter."""
-    out: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    by_group: dict[int, tuple[tuple[int, ...], set[str]]] = {}  # by identity: no hashing per node
     for n in dag.of_kind(Kind.COMPUTE):
-        for f in map(param_fqn, n.inputs):
-            if f is not None:
-                out[f].add(n.devices)
+        fqns = by_group.setdefault(id(n.devices), (n.devices, set()))[1]
+        fqns.update(f for f in map(param_fqn, n.inputs) if f is not None)
+    out: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for devices, fqns in by_group.values():
+        for f in fqns:
+            out[f].add(devices)
     return out
 
 

@@ -357,3 +357,16 @@ def test_rank_lists_write_runs_as_ranges() -> None:
     assert compact((0, 1, 2, 3, 9)) == "0-3,9"
     assert compact(tuple(range(0, 16384, 8))) == "0-16376:8"
     assert compact((5, 3, 1, 2, 3)) == "5,3,1-3"  # order kept: it pairs the ranks of two groups
+
+
+def test_long_rank_lists_in_op_fields_are_written_as_ranges() -> None:
+    """A SEND to 2048 ranks and a TP collective over 1024 pairs round-trip with their rank lists as ranges."""
+    dst = tuple(range(1, 16384, 8))
+    subs = tuple((r, r + 1) for r in range(0, 2048, 2)) + (tuple(range(2048, 2080)),)
+    dag = TrainingDAG()
+    dag.add(Node("s", Send("m", dst), devices=tuple(range(0, 16384, 8)), stream="pp"))
+    dag.add(Node("tp", TpCollective("all_reduce", subs), devices=tuple(range(2080)), stream="tp"))
+    text = dag.to_text()
+    assert '"dst":{"ranks":"1-16377:8"}' in text and '{"ranks":"2048-2079"}' in text and len(text) < 20000
+    assert parse_dag(text).to_text() == text
+    assert parse_dag(text).nodes["s"].op == dag.nodes["s"].op and parse_dag(text).nodes["tp"].op == dag.nodes["tp"].op
