@@ -181,7 +181,7 @@ def autoplan(args: argparse.Namespace) -> int:
     network = json.loads(args.network) if args.network.startswith("{") else args.network
     res = piper.autoplan(model, *batch, world_size=args.world_size, memory_mb=args.memory_mb, network=network,
                          flops_per_s=args.flops, top=args.top, schedules=args.schedules, zero_levels=args.zero,
-                         tp_plan=json.loads(args.tp_plan) if args.tp_plan else None)
+                         tp_plan=json.loads(args.tp_plan) if args.tp_plan else None, workers=args.workers)
     print(res)
     if args.json:
         with open(args.json, "w") as f:
@@ -209,6 +209,8 @@ def _add_autoplan_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=list(SCHEDULES))
     a.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     a.add_argument("--json", help="write the ranked strategies' directives here")
+    a.add_argument("--workers", type=int, default=None, help="processes planning side by side, one captured "
+                   "graph each (default: one per core)")
     a.add_argument("--tp-plan", help='search tensor parallelism too: a JSON object of shard_tensor layers, e.g. '
                    '{"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise"}')
 

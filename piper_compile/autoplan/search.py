@@ -20,6 +20,7 @@ from torch import nn
 from piper_compile.autoplan.space import (
     BLOCK_TAG, CHECKPOINT_POLICIES, SCHEDULES, STAGE_TAG, Candidate, candidates, with_checkpoint,
 )
+from piper_compile.autoplan.parallel import default_workers, evaluate_groups
 from piper_compile.autoplan.stages import BlockCosts, block_costs, tagged
 from piper_compile.errors import PiperError, PiperPlanError
 
@@ -84,6 +85,7 @@ class AutoPlan:
     pruned: int
     seconds: float
     stage_flops: dict[int, list[int]] = field(default_factory=dict)  # stages -> FLOPs per stage
+    workers: int = 1  # processes that planned side by side
 
     @property
     def best(self) -> Choice:
@@ -91,7 +93,8 @@ class AutoPlan:
 
     def __str__(self) -> str:
         head = (f"# autoplan: {self.planned} plans verified and simulated, {self.pruned} pruned by memory, "
-                f"{len(self.rejected)} rejected, in {self.seconds:.1f}s")
+                f"{len(self.rejected)} rejected, in {self.seconds:.1f}s"
+                + (f" ({self.workers} processes)" if self.workers > 1 else ""))
         rows = [f"{i + 1:>3}. {c.line()}\n     {c.why}" for i, c in enumerate(self.ranked)]
         return "\n".join([head, *rows])
 
@@ -101,7 +104,8 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
              cost: Any = None, optimizer: Any = None, top: int = 5,
              schedules: Iterable[str] = tuple(SCHEDULES), zero_levels: Iterable[int] = (0, 1, 2, 3),
              checkpoint: Iterable[str] = CHECKPOINT_POLICIES, tp_plan: dict[str, str] | None = None,
-             options: dict[str, Any] | None = None, time_limit_s: float | None = None) -> AutoPlan:
+             options: dict[str, Any] | None = None, time_limit_s: float | None = None,
+             workers: int | None = None) -> AutoPlan:
     """Search the strategies piper can build for ``model`` on ``world_size`` ranks and rank them.
 
     ``example_batch``: one *global* batch (dim 0 is split over data-parallel replicas and micro-batches).
@@ -112,19 +116,20 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
     ``optimizer``: counted in memory (default AdamW; ZeRO needs one). ``tp_plan``: the model's
     tensor-parallel layers as ``shard_tensor`` takes them (``{"blocks.*.qkv": "colwise:3", ...}``); with it,
     TP degrees are searched too. ``options``: more ``piper.compile`` options every candidate is planned with
-    (e.g. ``mixed_precision``). Returns ``top`` choices (all that fit if ``top`` is None); a budget
+    (e.g. ``mixed_precision``). ``workers``: processes planning side by side, one captured graph each
+    (``parallel.py``; default one per core where forking is safe, 1 plans in this process). Returns ``top`` choices (all that fit if ``top`` is None); a budget
     nothing fits is a ``piper:`` error naming the closest strategy."""
     from piper_compile.init.deferred import planning
 
     with planning(model, example_batch):  # a model built on the meta device: stand-ins while planning
         return _autoplan(model, example_batch, world_size, memory_mb, network, flops_per_s, cost, optimizer, top,
-                         schedules, zero_levels, checkpoint, tp_plan, options, time_limit_s)
+                         schedules, zero_levels, checkpoint, tp_plan, options, time_limit_s, workers)
 
 
 def _autoplan(model: nn.Module, example_batch: tuple[Any, ...], world_size: int, memory_mb: float | None,
               network: Any, flops_per_s: float, cost: Any, optimizer: Any, top: int, schedules: Iterable[str],
               zero_levels: Iterable[int], checkpoint: Iterable[str], tp_plan: dict[str, str] | None,
-              options: dict[str, Any] | None, time_limit_s: float | None) -> AutoPlan:
+              options: dict[str, Any] | None, time_limit_s: float | None, workers: int | None) -> AutoPlan:
     t0 = time.perf_counter()
     optimizer = optimizer if optimizer is not None else _default_optimizer()
     cost_model = cost if cost is not None else network_cost(network, flops_per_s)
@@ -135,18 +140,18 @@ def _autoplan(model: nn.Module, example_batch: tuple[Any, ...], world_size: int,
     search = _Search(model, example_batch, world_size, costs, {**(options or {}), "optimizer": optimizer},
                      cost_model, memory_mb, [p for p in CHECKPOINT_POLICIES if p in set(checkpoint)],
                      dict(tp_plan or {}))
-    for cand in space:
-        if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s:
-            search.rejected.append((cand.label(), f"not planned: the search passed time_limit_s={time_limit_s:g}"))
-            continue
-        search.evaluate(cand)
-    search.close()
+    groups: dict[tuple[int, int], list[tuple[int, Candidate]]] = {}  # one per captured graph
+    for i, cand in enumerate(space):
+        groups.setdefault(_Search.capture_key(cand), []).append((i, cand))
+    n = default_workers(len(groups)) if workers is None else workers
+    evaluate_groups(search, list(groups.values()), n, t0, time_limit_s)
     ranked = sorted(search.fits, key=lambda c: (c.step_time, c.max_peak_mb))
     if not ranked:
         raise search.nothing_fits(len(space))
     _explain(ranked)
     return AutoPlan(ranked[:top] if top else ranked, search.rejected, search.planned, search.pruned,
-                    time.perf_counter() - t0, {s: costs.stage_flops(s) for s in sorted(search.stage_counts)})
+                    time.perf_counter() - t0, {s: costs.stage_flops(s) for s in sorted(search.stage_counts)},
+                    min(n, len(groups)))
 
 
 def _default_optimizer() -> Any:
@@ -300,7 +305,7 @@ class _Search:
     def _base(self, c: Candidate, stages: tuple[int, ...], directives: list[dict[str, Any]]) -> Any:
         """The captured graph of ``c``'s local batch (captured at the first candidate with it, every block
         tagged with its index), its nodes retagged for ``c``'s stages and checkpoint regions."""
-        if (c.dp, c.tp) not in self.bases:  # TP changes the captured graph (each rank's pieces)
+        if self.capture_key(c) not in self.bases:
             from piper_compile.api import capture_step
 
             local = tuple(t[: t.shape[0] // c.dp] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
@@ -310,10 +315,16 @@ class _Search:
                                     world_size=self.world, options=self.options)
                 base._capture()
             base.state.steps.remove(base)
-            self.bases[(c.dp, c.tp)] = (base, _block_nodes(base.joint.gm))
-        base, nodes = self.bases[(c.dp, c.tp)]
+            self.bases[self.capture_key(c)] = (base, _block_nodes(base.joint.gm))
+        base, nodes = self.bases[self.capture_key(c)]
         _retag(nodes, dict(_block_tags(c, stages)))
         return base
+
+    @staticmethod
+    def capture_key(c: Candidate) -> tuple[int, int]:
+        """Candidates with one key plan on one captured graph: the local batch (``dp``) and tensor
+        parallelism (each rank's pieces) change what is captured."""
+        return (c.dp, c.tp)
 
     def close(self) -> None:
         self.bases.clear()

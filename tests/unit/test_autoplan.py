@@ -234,3 +234,39 @@ def test_a_measured_network_is_this_machines_link():
     assert bw > 1e6 and 0 < lat < 0.1, (bw, lat)  # loopback: well above 1 MB/s, well under 100 ms
     cost = network_cost("measured")
     assert set(cost.links) == {"pp", "dp", "ep", "tp", "loss"} and len(set(cost.links.values())) == 1
+
+
+_PARALLEL_SCRIPT = r"""
+import json, sys, torch
+import piper_compile as piper
+from piper_compile.testing.models import build_model
+
+def run(workers):
+    model = build_model("gpt", layers=4)
+    batch = model.make_batch(16, torch.Generator().manual_seed(0))
+    res = piper.autoplan(model, *batch, world_size=8, memory_mb=float(sys.argv[1]), top=None, workers=workers,
+                         schedules=("1f1b", "interleaved", "dualpipev"), network="ib")
+    return {"ranked": [(c.candidate.label(), c.step_time, c.peak_mb, c.why, c.dag_text) for c in res.ranked],
+            "rejected": res.rejected, "planned": res.planned, "pruned": res.pruned, "workers": res.workers}
+
+print(json.dumps([run(1), run(2)]))
+"""
+
+
+def test_a_parallel_search_finds_what_the_serial_one_finds(tmp_path):
+    """Two forked workers (one captured graph each) rank, explain and reject exactly as one process does,
+    under a budget that rejects and prunes some strategies."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "search.py"
+    script.write_text(_PARALLEL_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "0.45"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    serial, parallel = json.loads(out.stdout.splitlines()[-1])
+    assert serial.pop("workers") == 1 and parallel.pop("workers") == 2
+    assert serial["rejected"] and serial["ranked"]  # the budget rejects some and keeps some
+    assert parallel == serial
