@@ -5,9 +5,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
-
 from piper_compile.capture.segments import Segment
+from piper_compile.ir.dims import parse_dim
 
 
 @dataclass
@@ -46,5 +45,5 @@ class PassContext:
 
 @functools.lru_cache(maxsize=1 << 14)
 def _free_symbols(text: str) -> frozenset[str]:
-    """Names of the symbols of a dimension expression (``s0*s1``), parsed once per distinct text."""
-    return frozenset(str(s) for s in sympy.sympify(text.replace(";", ",")).free_symbols)
+    """Names of the symbols of a dimension expression (``s0*s1``)."""
+    return frozenset(str(s) for s in parse_dim(text).free_symbols)

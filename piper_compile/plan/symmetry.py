@@ -197,7 +197,7 @@ class Programs(Sequence[Any]):
     def __init__(self, dag: TrainingDAG, world: int, reorder_window: int, symmetry: Symmetry) -> None:
         self.dag, self.world, self.reorder_window, self.symmetry = dag, world, reorder_window, symmetry
         self._made: dict[int, Any] = {}
-        self._quotient: list[Any] | None | bool = False
+        self._quotient: tuple[list[Any] | None] | None = None  # (the quotient or None), once computed
 
     def __len__(self) -> int:
         return self.world
@@ -239,9 +239,9 @@ class Programs(Sequence[Any]):
         """The representatives' programs with every peer replaced by its class's representative, or None
         where that is not exact: the partition is trivial, or two of a representative's real P2P queues
         would fold into one."""
-        if self._quotient is False:
-            self._quotient = None if self.symmetry.trivial else _fold(self.representatives(), self.symmetry.rep_of)
-        return self._quotient  # type: ignore[return-value]
+        if self._quotient is None:
+            self._quotient = (None if self.symmetry.trivial else _fold(self.representatives(), self.symmetry.rep_of),)
+        return self._quotient[0]
 
 
 def _fold(programs: list[Any], rep_of: Sequence[int]) -> list[Any] | None:

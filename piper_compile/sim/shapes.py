@@ -9,6 +9,7 @@ import sympy
 import torch
 
 from piper_compile.ir.dag import Kind, TrainingDAG
+from piper_compile.ir.dims import parse_dim
 
 
 def _hints(val: Any, out: dict[str, int], envs: set[int]) -> None:
@@ -50,17 +51,6 @@ def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> 
     return out
 
 
-_PARSED: dict[str, Any] = {}
-
-
-def _parse(text: str) -> Any:
-    """A dimension expression string as a sympy expression (parsed once per distinct string)."""
-    expr = _PARSED.get(text)
-    if expr is None:
-        expr = _PARSED[text] = sympy.sympify(text.replace(";", ","))
-    return expr
-
-
 def concrete(dim: Any, symbols: dict[str, int]) -> int:
     """A dimension (int, SymInt or expression string such as ``"s95*s75"``) at the given symbol values."""
     if isinstance(dim, int):
@@ -71,7 +61,7 @@ def concrete(dim: Any, symbols: dict[str, int]) -> int:
         text = str(dim)
         if text.lstrip("-").isdigit():
             return int(text)
-        expr = _parse(text)
+        expr = parse_dim(text)
     # by name: the shape environment's symbols carry assumptions (integer, positive) that Symbol(k) lacks
     return int(expr.xreplace({s: symbols[s.name] for s in expr.free_symbols if s.name in symbols}))
 
