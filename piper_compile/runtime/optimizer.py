@@ -94,14 +94,41 @@ def fused_matches_default(factory: Callable[..., Any], device: torch.device, dty
     return (got - want).abs().max().item() <= PROBE_RTOL * scale if scale > 0 else bool((got == 0).all())
 
 
+SAMPLE_BYTES = 16 << 20  # the first check of a (device, dtype) copies at most this much (its smallest parameters)
+
+
+def _sample(watched: list[torch.Tensor], budget: dict[Any, int]) -> tuple[list[torch.Tensor], set[Any]]:
+    """Per (device, dtype), its smallest watched parameters up to its byte budget (at least one), and the
+    kinds whose sample is all of their watched parameters."""
+    by_kind: dict[Any, list[torch.Tensor]] = {}
+    for p in watched:
+        by_kind.setdefault((p.device, p.dtype), []).append(p)
+    sample: list[torch.Tensor] = []
+    whole: set[Any] = set()
+    for kind, ps in by_kind.items():
+        ps.sort(key=lambda p: p.numel())
+        room, taken = budget.setdefault(kind, SAMPLE_BYTES), 0
+        while taken < len(ps) and (taken == 0 or room >= ps[taken].numel() * ps[taken].element_size()):
+            room -= ps[taken].numel() * ps[taken].element_size()
+            taken += 1
+        sample += ps[:taken]
+        if taken == len(ps):
+            whole.add(kind)
+    return sample, whole
+
+
 def step_checked(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
     """``opt.step()`` for ``params`` (whose ``.grad`` is set). Until a step with a nonzero gradient has
     moved a parameter of a (device, dtype), check that this one did: raise if no parameter of a (device,
-    dtype) with a nonzero gradient and a positive learning rate moved."""
+    dtype) with a nonzero gradient and a positive learning rate moved. The check copies the smallest such
+    parameters up to ``SAMPLE_BYTES`` (not every parameter: the first step would hold a second copy of
+    them all); where none of a partial sample moved, the next step checks again with twice the budget."""
     seen: set[tuple[torch.device, torch.dtype]] = opt.__dict__.setdefault("_piper_moved", set())
+    budget: dict[Any, int] = opt.__dict__.setdefault("_piper_check_bytes", {})
     lr = {id(p): g.get("lr", 1.0) for g in opt.param_groups for p in g["params"]}
     watched = [p for p in params if (p.device, p.dtype) not in seen and id(p) in lr and p.grad is not None
-               and float(lr[id(p)]) > 0 and bool(p.grad.ne(0).any())]
+               and float(lr[id(p)]) > 0 and bool(p.grad.any())]
+    watched, whole = _sample(watched, budget)
     before = [p.detach().clone() for p in watched]
     opt.step()
     if not watched:
@@ -109,7 +136,9 @@ def step_checked(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> 
     kinds = {(p.device, p.dtype) for p in watched}
     moved = {(p.device, p.dtype) for p, b in zip(watched, before) if not torch.equal(p.detach(), b)}
     seen.update(moved)
-    for device, dtype in sorted(kinds - moved, key=str):
+    for kind in kinds - moved - whole:  # inconclusive: an unsampled parameter may have moved
+        budget[kind] *= 2
+    for device, dtype in sorted((kinds & whole) - moved, key=str):
         impl = "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "default"
         rates = sorted({float(lr[id(p)]) for p in watched if (p.device, p.dtype) == (device, dtype)})
         raise PiperError(

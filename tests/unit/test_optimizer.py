@@ -79,3 +79,76 @@ def test_a_zero_learning_rate_is_not_an_error():
     before = [p.detach().clone() for p in model.parameters()]
     _train(model, functools.partial(torch.optim.SGD, lr=0.0))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+class _OnlyLarge(torch.optim.Optimizer):
+    """Moves only parameters of more than 1000 elements (as an optimizer whose update is zero on small,
+    zero-initialized parameters would)."""
+
+    def __init__(self, params) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and p.numel() > 1000:
+                    p.data.add_(p.grad, alpha=-g["lr"])
+
+
+def _big_and_small() -> list[torch.nn.Parameter]:
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (16, 8 * 2**20)]  # 64 B and 32 MiB
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return ps
+
+
+def test_the_moved_check_copies_only_the_smallest_parameters():
+    """The first step's check clones the smallest parameters up to SAMPLE_BYTES, not all of them: nothing
+    of 16 MiB or more is allocated for a 32 MiB parameter beside a small one that moves."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Large(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.sizes += [t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                           and t.untyped_storage().data_ptr() not in inputs  # new memory, not an alias
+                           and t.untyped_storage().nbytes() >= 16 * 2**20]
+            return out
+
+    ps = _big_and_small()
+    opt = torch.optim.SGD(ps, lr=0.1)
+    opt.step = lambda: [p.data.add_(p.grad, alpha=-0.1) for p in ps]  # in place: only the check allocates
+    with Large() as seen:
+        popt.step_checked(opt, ps)
+    assert seen.sizes == [], seen.sizes  # copying every parameter would allocate 32 MiB
+    assert opt._piper_moved == {(torch.device("cpu"), torch.float32)}
+
+
+def test_an_inconclusive_sample_grows_until_it_sees_a_parameter_move(monkeypatch):
+    """Only the large parameter moves: the small sample is inconclusive (no error), the budget doubles
+    until the large one is checked, and then the kind counts as moved; nothing is raised."""
+    monkeypatch.setattr(popt, "SAMPLE_BYTES", 2**20)
+    ps = _big_and_small()
+    opt = _OnlyLarge(ps)
+    for _ in range(10):
+        popt.step_checked(opt, ps)
+        if opt._piper_moved:
+            break
+    assert opt._piper_moved and opt._piper_check_bytes[(torch.device("cpu"), torch.float32)] >= 32 * 2**20
+
+
+def test_an_update_that_moves_nothing_is_found_once_the_sample_covers_every_parameter(monkeypatch):
+    monkeypatch.setattr(popt, "SAMPLE_BYTES", 2**20)
+    ps = _big_and_small()
+    opt = torch.optim.SGD(ps, lr=0.1)
+    opt.step = lambda: None  # moves nothing
+    with pytest.raises(PiperError, match="left every torch.float32 parameter on cpu unchanged"):
+        for _ in range(10):
+            popt.step_checked(opt, ps)
+    assert opt._piper_check_bytes[(torch.device("cpu"), torch.float32)] >= 32 * 2**20
