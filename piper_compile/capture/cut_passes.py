@@ -20,6 +20,7 @@ skippable by name with ``PIPER_SKIP_PASSES`` (debugging only).
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -95,8 +96,9 @@ def bucket_chunks_pass(cuts: Cuts) -> None:
         for part_pass, part in ps:
             cap = cuts.bucket_bytes(reg) if callable(cuts.bucket_bytes) else cuts.bucket_bytes
             if part_pass in ("B", "BW") and cap:
-                chunks = _chunk_backward(part, joint, cap)
-                if cuts.chunk_fw is not None and cuts.chunk_fw(reg):  # ZeRO-3: each piece reads one bucket
+                zero3 = cuts.chunk_fw is not None and cuts.chunk_fw(reg)
+                chunks = _chunk_backward(part, joint, cap, whole_blocks=zero3)
+                if zero3:  # ZeRO-3: each piece reads one bucket
                     coarse = _buckets_of(chunks, joint, reg)
                     chunks = [piece for c in chunks for piece in _cut_at_bucket_reads(c, joint, coarse, cuts.derived)]
                 cuts.chunked[(part_pass, reg)] = chunks
@@ -241,23 +243,39 @@ def _cut_at_boundaries(chunks: list[list[fx.Node]]) -> list[list[fx.Node]]:
 FIRST_BUCKET_BYTES = 1 << 20  # as DDP: a small first bucket starts communication early
 
 
-def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float) -> list[list[fx.Node]]:
+def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
+                    whole_blocks: bool = False) -> list[list[fx.Node]]:
     """Cut a backward node list after the node whose gradient outputs fill a bucket (the first bucket
     at most 1 MiB, the others ``cap_bytes``), so each bucket's all-reduce can start while the rest of
-    the backward still computes."""
+    the backward still computes. ``whole_blocks`` (ZeRO-3, whose forward is cut where it reads another
+    bucket): a bucket that fills inside a repeated block (``codegen.regional.block_of``) ends with that
+    block, so every piece holds whole blocks and identical blocks compile once."""
     chunks: list[list[fx.Node]] = [[]]
     size = 0.0
     cap = min(cap_bytes, FIRST_BUCKET_BYTES)
-    for n in nodes:
+    for i, n in enumerate(nodes):
         chunks[-1].append(n)
         fqn = joint.grad_of.get(n.name)
         if fqn is not None:
             p = joint.params[fqn]
             size += p.numel() * p.element_size()
-            if size >= cap:
-                chunks.append([])
-                size, cap = 0.0, cap_bytes
+        if size >= cap and (not whole_blocks or _ends_block(nodes, i)):
+            chunks.append([])
+            size, cap = 0.0, cap_bytes
     return [c for c in chunks if c]
+
+
+def _ends_block(nodes: list[fx.Node], i: int) -> bool:
+    """Whether ``nodes[i]`` ends the repeated block it is in (the block of the last node up to it that
+    records a module): the next node that records one lies elsewhere, or there is none; True outside
+    every block."""
+    from piper_compile.codegen.regional import block_of
+
+    known = (b for b in map(block_of, reversed(nodes[max(0, i - 64):i + 1])) if b is not None)
+    here = next(known, None)
+    if not here or here == ("", ""):
+        return True
+    return next((b for b in map(block_of, itertools.islice(nodes, i + 1, None)) if b is not None), None) != here
 
 
 def _buckets_of(chunks: list[list[fx.Node]], joint: JointGraph, reg: Region) -> dict[str, Any]:

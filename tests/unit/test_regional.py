@@ -115,3 +115,26 @@ def test_a_piece_inductor_cannot_compile_runs_eagerly_and_names_the_piece(monkey
     torch.testing.assert_close(loss.detach(), ref(x, y).detach(), rtol=1e-5, atol=1e-6)
     seg = piper.compiled_steps(step)[0].compiled["F.all"]
     assert seg.pieces == 4 and seg.fallback and "reused" not in seg.outcomes
+
+
+@pytest.mark.parametrize("bucket_mb", [0.001, 0.05])
+def test_zero3_chunks_hold_whole_blocks(bucket_mb):
+    """ZeRO-3 cuts the forward where it reads another gradient bucket, and buckets used to end inside a
+    block, so no two chunks held alike pieces. Buckets now end with a block: every block's forward and
+    backward lie in one chunk each (so alike blocks can compile as one graph)."""
+    model = build_model("gpt", 0, layers=4)
+    plan = piper.plan(model, *model.make_batch(4, torch.Generator().manual_seed(0)), world_size=2,
+                      directives=[piper.replicate(zero=3, bucket_mb=bucket_mb), piper.split(1)],
+                      options={"optimizer": SGD})
+    chunks: dict[tuple[str, str], set[str]] = {}
+    for seg in plan.segments.values():
+        for n in seg.gm.graph.nodes:
+            if n.op in ("placeholder", "output"):  # an input keeps its producer's module
+                continue
+            block = regional.block_of(n)
+            if block and block[0]:
+                chunks.setdefault((seg.name[0], block[0]), set()).add(seg.name)
+    assert len({k[1] for k in chunks}) == 4, chunks
+    assert all(len(names) == 1 for names in chunks.values()), chunks
+    per_chunk = {name for names in chunks.values() for name in names}
+    assert len([c for c in per_chunk if c.startswith("B")]) >= (4 if bucket_mb < 0.01 else 1)
