@@ -5,8 +5,8 @@ A group is what one capture serves, so no capture is made twice; a worker plans 
 exactly as the serial search does (``_Search.evaluate``), and the merge puts every fit and every rejection
 back at its candidate's place: the ranking, its tie-breaks and the rejection list are those of the serial
 search. Workers are forked (the model, the batch and the block costs are inherited, nothing is pickled on
-the way in) and only where that is safe: a platform that forks, and a process with no other thread
-(a forked copy of a threaded process can inherit a lock some thread held)."""
+the way in) and only where that is safe: a platform that forks, a process with no other thread (a forked
+copy of a threaded process can inherit a lock some thread held) and no CUDA context."""
 from __future__ import annotations
 
 import multiprocessing
@@ -35,8 +35,12 @@ class Outcome:
 
 def default_workers(groups: int) -> int:
     """Worker processes for ``groups`` capture groups: one per usable core, at most one per group; 1 where
-    forking is unavailable or unsafe (another thread is running)."""
-    if "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1:
+    forking is unavailable or unsafe (another thread is running, or CUDA is initialized: a forked child
+    cannot use it)."""
+    import torch
+
+    if "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1 \
+            or torch.cuda.is_initialized():
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, groups))

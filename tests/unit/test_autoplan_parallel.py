@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 from piper_compile.autoplan.parallel import Outcome, _merge, default_workers
 
 
@@ -27,4 +29,7 @@ def test_workers_default_to_one_per_core_and_group_and_to_one_beside_threads(mon
     monkeypatch.setattr(threading, "active_count", lambda: 1)
     assert (default_workers(1), default_workers(3), default_workers(8)) == (1, 3, 4)
     monkeypatch.setattr(threading, "active_count", lambda: 2)  # forking a threaded process is unsafe
+    assert default_workers(8) == 1
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a forked child cannot use CUDA
     assert default_workers(8) == 1
