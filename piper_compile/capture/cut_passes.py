@@ -20,7 +20,6 @@ skippable by name with ``PIPER_SKIP_PASSES`` (debugging only).
 from __future__ import annotations
 
 import bisect
-import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -248,8 +247,19 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
     """Cut a backward node list after the node whose gradient outputs fill a bucket (the first bucket
     at most 1 MiB, the others ``cap_bytes``), so each bucket's all-reduce can start while the rest of
     the backward still computes. ``whole_blocks`` (ZeRO-3, whose forward is cut where it reads another
-    bucket): a bucket that fills inside a repeated block (``codegen.regional.block_of``) ends with that
-    block, so every piece holds whole blocks and identical blocks compile once."""
+    bucket): a bucket that fills inside a repeated block (``codegen.regional.block_of``) no larger than
+    the bucket ends with that block, so its pieces are whole blocks and alike blocks compile once (a
+    bucket smaller than a block is cut as asked)."""
+    from piper_compile.codegen.regional import block_of
+
+    blocks = [block_of(n) for n in nodes]
+    for i in range(1, len(blocks)):  # a node that records no module belongs to the block before it
+        blocks[i] = blocks[i] if blocks[i] is not None else blocks[i - 1]
+    sizes: dict[Any, float] = {}
+    for n, b in zip(nodes, blocks):
+        if n.name in joint.grad_of:
+            p = joint.params[joint.grad_of[n.name]]
+            sizes[b] = sizes.get(b, 0.0) + p.numel() * p.element_size()
     chunks: list[list[fx.Node]] = [[]]
     size = 0.0
     cap = min(cap_bytes, FIRST_BUCKET_BYTES)
@@ -259,23 +269,12 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
         if fqn is not None:
             p = joint.params[fqn]
             size += p.numel() * p.element_size()
-        if size >= cap and (not whole_blocks or _ends_block(nodes, i)):
+        here = blocks[i]
+        inside = whole_blocks and here is not None and here[0] != "" and sizes.get(here, 0.0) <= cap
+        if size >= cap and not (inside and i + 1 < len(nodes) and blocks[i + 1] == here):
             chunks.append([])
             size, cap = 0.0, cap_bytes
     return [c for c in chunks if c]
-
-
-def _ends_block(nodes: list[fx.Node], i: int) -> bool:
-    """Whether ``nodes[i]`` ends the repeated block it is in (the block of the last node up to it that
-    records a module): the next node that records one lies elsewhere, or there is none; True outside
-    every block."""
-    from piper_compile.codegen.regional import block_of
-
-    known = (b for b in map(block_of, reversed(nodes[max(0, i - 64):i + 1])) if b is not None)
-    here = next(known, None)
-    if not here or here == ("", ""):
-        return True
-    return next((b for b in map(block_of, itertools.islice(nodes, i + 1, None)) if b is not None), None) != here
 
 
 def _buckets_of(chunks: list[list[fx.Node]], joint: JointGraph, reg: Region) -> dict[str, Any]:

@@ -117,14 +117,16 @@ def test_a_piece_inductor_cannot_compile_runs_eagerly_and_names_the_piece(monkey
     assert seg.pieces == 4 and seg.fallback and "reused" not in seg.outcomes
 
 
-@pytest.mark.parametrize("bucket_mb", [0.001, 0.05])
-def test_zero3_chunks_hold_whole_blocks(bucket_mb):
+@pytest.mark.parametrize("blocks_per_bucket", [1.0, 2.5, 0.5])
+def test_zero3_chunks_hold_whole_blocks(blocks_per_bucket):
     """ZeRO-3 cuts the forward where it reads another gradient bucket, and buckets used to end inside a
-    block, so no two chunks held alike pieces. Buckets now end with a block: every block's forward and
-    backward lie in one chunk each (so alike blocks can compile as one graph)."""
+    block, so no two chunks held alike pieces. A bucket at least a block large now ends with a block:
+    every block's forward and backward lie in one chunk each (so alike blocks can compile as one graph).
+    A bucket smaller than a block is cut where it fills, as asked."""
     model = build_model("gpt", 0, layers=4)
+    block_mb = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
     plan = piper.plan(model, *model.make_batch(4, torch.Generator().manual_seed(0)), world_size=2,
-                      directives=[piper.replicate(zero=3, bucket_mb=bucket_mb), piper.split(1)],
+                      directives=[piper.replicate(zero=3, bucket_mb=blocks_per_bucket * block_mb), piper.split(1)],
                       options={"optimizer": SGD})
     chunks: dict[tuple[str, str], set[str]] = {}
     for seg in plan.segments.values():
@@ -135,6 +137,7 @@ def test_zero3_chunks_hold_whole_blocks(bucket_mb):
             if block and block[0]:
                 chunks.setdefault((seg.name[0], block[0]), set()).add(seg.name)
     assert len({k[1] for k in chunks}) == 4, chunks
-    assert all(len(names) == 1 for names in chunks.values()), chunks
-    per_chunk = {name for names in chunks.values() for name in names}
-    assert len([c for c in per_chunk if c.startswith("B")]) >= (4 if bucket_mb < 0.01 else 1)
+    whole = all(len(names) == 1 for names in chunks.values())
+    assert whole == (blocks_per_bucket >= 1), chunks
+    backward = {name for names in chunks.values() for name in names if name.startswith("B")}
+    assert len(backward) >= (4 if blocks_per_bucket == 1 else 2)
