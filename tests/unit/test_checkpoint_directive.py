@@ -35,6 +35,7 @@ def _forward_in_backward(p: piper.StaticPlan, ops: tuple[str, ...]) -> int:
     return sum(_ops(s, o) for s in p.segments.values() if s.pass_ != "F" for o in ops)
 
 
+@pytest.mark.slow  # in the full suite; keeps the fast subset under 5 min
 def test_each_policy_keeps_less_than_the_next():
     """full keeps only the inputs (the batch: embeddings are the first region's own ops), selective also
     matmul/attention outputs, none everything; the backward recomputes the forward matmuls under full."""

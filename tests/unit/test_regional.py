@@ -54,6 +54,7 @@ def test_small_blocks_and_segments_without_repeats_compile_whole():
         assert regional.cut(seg.gm) is None
 
 
+@pytest.mark.slow  # in the full suite; keeps the fast subset under 5 min
 @pytest.mark.parametrize("family", ["qwen2", "gpt2", "bert"])
 def test_transformers_families_cut_into_ordered_pieces_with_one_graph_per_layer(family):
     from piper_compile.testing.hf import HFLoss
@@ -117,6 +118,7 @@ def test_a_piece_inductor_cannot_compile_runs_eagerly_and_names_the_piece(monkey
     assert seg.pieces == 4 and seg.fallback and "reused" not in seg.outcomes
 
 
+@pytest.mark.slow  # in the full suite; keeps the fast subset under 5 min
 @pytest.mark.parametrize("blocks_per_bucket", [1.0, 2.5, 0.5])
 def test_zero3_chunks_hold_whole_blocks(blocks_per_bucket):
     """ZeRO-3 cuts the forward where it reads another gradient bucket, and buckets used to end inside a
