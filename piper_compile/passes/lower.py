@@ -66,14 +66,13 @@ def insert_p2p(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
     """Every value consumed on another device group travels by one SEND/RECV pair per target group."""
     prod = dag.producers()
     renames: dict[tuple[str, tuple[int, ...]], str] = {}
-    checked: dict[tuple[int, int], bool] = {}
     for consumer in list(dag.of_kind(Kind.COMPUTE)):
         new_inputs = list(consumer.inputs)
         for i, v in enumerate(consumer.inputs):
             p = dag.nodes.get(prod.get(v, ""))
-            if p is None or p.devices is consumer.devices or p.devices == consumer.devices:
+            if p is None or p.devices == consumer.devices:
                 continue
-            if not _disjoint(p.devices, consumer.devices, checked):
+            if set(p.devices) & set(consumer.devices):
                 raise PiperError(f"piper: {p.name} (ranks {list(p.devices)}) feeds {consumer.name} (ranks "
                                  f"{list(consumer.devices)}): device groups that overlap partly cannot exchange "
                                  "data; place stages on disjoint rank groups")
@@ -84,15 +83,6 @@ def insert_p2p(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
         if new_inputs != list(consumer.inputs):
             dag.replace(consumer.with_(inputs=tuple(new_inputs)))
     return dag
-
-
-def _disjoint(a: tuple[int, ...], b: tuple[int, ...], checked: dict[tuple[int, int], bool]) -> bool:
-    """Whether groups ``a`` and ``b`` share no rank, once per pair of group objects (``checked`` keeps the
-    answers by identity; the groups outlive it, they are the DAG's)."""
-    key = (id(a), id(b))
-    if key not in checked:
-        checked[key] = set(a).isdisjoint(b)
-    return checked[key]
 
 
 def _add_send_recv(dag: TrainingDAG, ctx: PassContext, p: Node, c: Node, v: str) -> str:
