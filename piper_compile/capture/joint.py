@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+from piper_compile.capture.cache import exported
 from piper_compile.errors import PiperCaptureError
 
 PARAM, BUFFER, INPUT, SYM, TANGENT = "param", "buffer", "input", "sym", "tangent"
@@ -47,6 +49,8 @@ class JointGraph:
     batch_symbols: frozenset[Any]  # sympy symbols of the batch dimension (empty when it is static)
     batch_size: int  # the concrete batch size seen at capture
     dynamo_gm: fx.GraphModule
+    how: str = "captured"  # "captured", "loaded" (capture/cache.py), "uncacheable" or "off"
+    seconds: float = 0.0  # the joint export's (or its load's) wall time
 
     def symbol_values(self, args: Any, mb_size: int) -> dict[str, int]:
         """The size symbols' values in a call with ``args`` split into micro-batches of ``mb_size``."""
@@ -224,12 +228,15 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
     specs, params, buffers = _describe_inputs(gm, example_inputs, sources or source_names(gm))
     if fakes is None:
         fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
-    jgm = _export_joint(gm, fakes)
+    t0 = time.perf_counter()
+    jgm, how = exported(gm, tuple(fakes), _export_joint)
+    seconds = time.perf_counter() - t0
     final_specs, value_of = _joint_inputs(jgm, specs)
     loss, grad_of = _joint_outputs(jgm, specs)
     batch_symbols, batch_size = _batch_symbols(specs, gm)
     _mark_batched(gm, specs, final_specs, batch_symbols)
-    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm)
+    return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm,
+                      how, seconds)
 
 
 def _export_joint(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> fx.GraphModule:

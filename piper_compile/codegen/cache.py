@@ -6,8 +6,9 @@ Inductor configuration and the torch version. Ranks that run the same segment --
 every rank of a ZeRO group, identical stages of interleaved schedules -- would otherwise all compile it at
 the same moment, each missing the cache. ``one_compiler`` makes them take turns per segment: a file lock
 keyed by a hash of the same things, so the first rank compiles (a miss, written to the cache) and every
-other rank then loads the artifact (a hit). Different segments compile in parallel. A second run of the
-job finds every segment in the cache. ``outcome`` reads Inductor's counters to say which it was.
+other rank then loads the artifact (a hit). Different segments compile in parallel. A mark beside the lock
+says the artifact was written, after which ranks load it side by side without taking turns. A second run of
+the job finds every segment in the cache. ``outcome`` reads Inductor's counters to say which it was.
 
 Within one process, :func:`compile_once` keeps what it compiled by the same key, so a graph compiled
 again -- the next identical block of a segment cut by ``codegen/regional.py``, or the same stage's segment
@@ -89,12 +90,31 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
             fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
         else:
             fakes = list(args)
-        with one_compiler(key), tracing(TracingContext(mode)):
+        # Once a rank wrote the artifact, ranks load it side by side; only compiling takes turns.
+        with (contextlib.nullcontext() if _written(key) else one_compiler(key)), tracing(TracingContext(mode)):
             before = counts()
             compiled = compile_fx_inner(static, fakes)
             how = outcome(before, counts())
+            if how in ("hit", "miss"):
+                _mark_written(key)
     _COMPILED[key] = compiled
     return compiled, how
+
+
+def _locks() -> str:
+    return os.path.join(cache_root(), "piper-locks")
+
+
+def _written(key: str) -> bool:
+    """Whether a rank of this machine put segment ``key``'s artifact in the cache (so loading it needs no
+    turn); a stale mark (the cache emptied since) only costs a compile without the lock."""
+    return os.path.exists(os.path.join(_locks(), f"{key}.done"))
+
+
+def _mark_written(key: str) -> None:
+    os.makedirs(_locks(), exist_ok=True)
+    with open(os.path.join(_locks(), f"{key}.done"), "a"):
+        pass
 
 
 @contextlib.contextmanager
@@ -102,7 +122,7 @@ def one_compiler(key: str) -> Iterator[None]:
     """Hold the machine-wide lock of segment ``key`` while compiling it (ranks take turns per segment)."""
     import fcntl
 
-    locks = os.path.join(cache_root(), "piper-locks")
+    locks = _locks()
     os.makedirs(locks, exist_ok=True)
     with open(os.path.join(locks, f"{key}.lock"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)

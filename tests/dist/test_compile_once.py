@@ -1,4 +1,4 @@
-"""Each distinct segment is compiled once per job (``codegen/cache.py``): data-parallel replicas take turns
+"""Each distinct segment is compiled, and the joint graph captured, once per job (``codegen/cache.py``): data-parallel replicas take turns
 per segment through Inductor's on-disk FX graph cache, so one rank compiles a segment and the others
 load it; results are bitwise those of every rank compiling for itself; a second run of the job loads
 every segment and compiles none."""
@@ -28,7 +28,7 @@ def _dp2(rank: int, world: int) -> dict[str, Any]:
     m = piper.stats(step)
     segs = {n: c.outcomes for n, c in piper.compiled_steps(step)[0].compiled.items()}
     return {"losses": losses, "hits": m.cache_hits, "misses": m.cache_misses, "reused": m.reused, "segments": segs,
-            "fallbacks": m.fallbacks, "params": [p.detach().clone() for p in model.parameters()]}
+            "fallbacks": m.fallbacks, "params": [p.detach().clone() for p in model.parameters()], "capture": m.capture}
 
 
 def test_replicas_compile_each_segment_once_and_a_second_run_compiles_none(tmp_path, monkeypatch):
@@ -41,11 +41,16 @@ def test_replicas_compile_each_segment_once_and_a_second_run_compiles_none(tmp_p
     assert all(r["reused"] >= 1 for r in cold), [r["segments"] for r in cold]  # the GPT's second block
     # each graph compiled by exactly one of the two ranks, loaded by the other
     assert sum(r["misses"] for r in cold) == distinct, [r["segments"] for r in cold]
+    # the joint graph too (capture/cache.py): one rank exports it, the other loads it
+    assert sorted(r["capture"] for r in cold) == ["captured", "loaded"]
     warm = run_local(_dp2, 2)
     assert all(r["misses"] == 0 and r["hits"] == distinct for r in warm), [(r["hits"], r["misses"]) for r in warm]
-    monkeypatch.setenv("PIPER_INDUCTOR_CACHE", "0")  # every rank compiles for itself
+    assert all(r["capture"] == "loaded" for r in warm)
+    monkeypatch.setenv("PIPER_INDUCTOR_CACHE", "0")  # every rank compiles and captures for itself
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "0")
     alone = run_local(_dp2, 2)
     assert all(set(o for v in r["segments"].values() for o in v) == {"off", "reused"} for r in alone)
+    assert all(r["capture"] == "off" for r in alone)
     for a, b, c in zip(cold, warm, alone):
         assert a["losses"] == b["losses"] == c["losses"]
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a["params"], b["params"], c["params"]))

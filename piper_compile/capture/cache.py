@@ -1,0 +1,256 @@
+"""Capturing each distinct joint graph once per machine: the AOTAutograd export on disk.
+
+AOTAutograd's joint export (``capture/joint._export_joint``) is most of what a first step costs when
+Inductor's cache already holds every segment: seconds per rank, paid again by every rank and every run.
+Its result depends only on Dynamo's graph (code, constants, the metadata capture reads: tags, source lines,
+module stacks), the placeholders' fake values (shapes, hints, strides, dtypes, devices), the AOTAutograd
+configuration and the code of torch and piper. :func:`joint_key` hashes exactly those; :func:`exported`
+keeps the exported graph under that key in Inductor's cache directory (``codegen/cache.cache_root``),
+pickled with its node metadata by torch's ``GraphPickler`` (fake tensors and size symbols included).
+
+Ranks that capture the same graph take turns on a machine-wide lock per key, like segment compilation
+(``codegen/cache.one_compiler``): the first exports and writes, the others load what it wrote; a second run
+of the job loads. A graph whose key cannot be made safely (a call to a Python function or custom op whose
+code the key cannot see) is exported every time (``"uncacheable"``); a file that does not load is exported
+again and overwritten. ``PIPER_CAPTURE_CACHE=0`` turns it off.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import pathlib
+import tempfile
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from piper_compile.codegen.cache import cache_root, one_compiler
+from piper_compile.knobs import knob
+
+log = logging.getLogger(__name__)
+
+# Node metadata capture and its consumers read (regions, cuts, regional compilation, fallback messages),
+# plus what AOTAutograd records for its own later use; provenance (``from_node``) and the source-function
+# stacks (which hold the user's classes) are dropped.
+_KEEP = frozenset({"val", "tensor_meta", "custom", "stack_trace", "partitioner_tag", "nn_module_stack",
+                   "fwd_nn_module_stack", "desc", "seq_nr", "is_gradient_acc", "original_aten",
+                   "autograd_backward"})
+_STACKS = ("nn_module_stack", "fwd_nn_module_stack")
+_TORCH_MODULES = ("torch", "operator", "_operator", "math", "builtins", "piper_compile")
+_SAFE_OP_NAMESPACES = frozenset({"aten", "prims", "piper", "_c10d_functional", "c10d_functional", "higher_order"})
+
+
+@functools.cache
+def _package_hash() -> str:
+    """A hash of piper's own source (its custom ops and capture code shape the joint graph)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _settings() -> str:
+    """What else decides AOTAutograd's export: its configuration, autocast, SDPA backends, determinism."""
+    import torch._functorch.config as functorch_config
+
+    autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda")]
+    sdp = [f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+                         torch.backends.cuda.math_sdp_enabled)]
+    return repr((torch.__version__, _package_hash(), sorted(functorch_config.save_config_portable().items()),
+                 autocast, sdp, torch.are_deterministic_algorithms_enabled()))
+
+
+def _hint(x: Any) -> Any:
+    if isinstance(x, torch.SymInt):
+        return x.node.hint
+    return x
+
+
+def _value_text(v: Any) -> str:
+    """A placeholder's or node's fake value: symbolic and concrete shape, strides, dtype, device, kind."""
+    if isinstance(v, torch.Tensor):
+        return (f"T{type(v).__name__}{tuple(v.shape)}{tuple(_hint(d) for d in v.shape)}{tuple(v.stride())}"
+                f"{v.dtype}{v.device}{v.requires_grad}{isinstance(v, torch.nn.Parameter)}")
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"S{v}={_hint(v)}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ",".join(_value_text(x) for x in v) + ")"
+    return repr(v)
+
+
+def _target_text(target: Any) -> str | None:
+    """The name of a node's target, with the source of a Python function the key must see changes of;
+    None when neither says what the target computes."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target) if str(target).split(".")[0] in _SAFE_OP_NAMESPACES else None
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"hop.{target.name()}"
+    module = getattr(target, "__module__", None) or ""
+    name = f"{module}.{getattr(target, '__qualname__', repr(target))}"
+    if module.split(".")[0] in _TORCH_MODULES:
+        return name
+    try:
+        return name + inspect.getsource(target)
+    except (OSError, TypeError):
+        return None
+
+
+def _graph_text(gm: fx.GraphModule, h: Any) -> bool:
+    """Feed ``gm``'s nodes (and its subgraphs and constants) into ``h``; False when one cannot be keyed."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            return False
+        target = _target_text(node.target)
+        if target is None:
+            return False
+        stacks = [[(p, getattr(c, "__qualname__", str(c))) for p, c in (node.meta.get(k) or {}).values()]
+                  for k in _STACKS]
+        h.update(f"{node.op}|{node.name}|{target}|{node.args}|{node.kwargs}|{node.meta.get('custom')}|"
+                 f"{node.meta.get('stack_trace')}|{stacks}|{_value_text(node.meta.get('example_value'))}\n".encode())
+        if node.op == "get_attr" and not _attr_text(getattr(gm, str(node.target), None), h):
+            return False
+    return True
+
+
+def _attr_text(value: Any, h: Any) -> bool:
+    if isinstance(value, fx.GraphModule):
+        return _graph_text(value, h)
+    if isinstance(value, torch.Tensor):
+        h.update(_value_text(value).encode())
+        if value.device.type != "meta" and not isinstance(value, torch._subclasses.FakeTensor):
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return True
+    return False
+
+
+def joint_key(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> str | None:
+    """The cache key of the joint export of ``gm`` traced with ``fakes``; None: not cacheable."""
+    h = hashlib.sha256(_settings().encode())
+    if not _graph_text(gm, h):
+        return None
+    h.update(_value_text(tuple(fakes)).encode())
+    return h.hexdigest()[:32]
+
+
+def _directory() -> str:
+    return os.path.join(cache_root(), "piper-capture")
+
+
+def _clean_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in meta.items() if k in _KEEP}
+    for k in _STACKS:  # classes by name: the model's own classes need not be importable to load
+        if out.get(k):
+            out[k] = {a: (p, getattr(c, "__qualname__", str(c))) for a, (p, c) in out[k].items()}
+    return out
+
+
+def _torch_attr(name: str) -> Any:
+    return getattr(torch, name)
+
+
+def _pickler() -> Any:
+    """torch's ``GraphPickler``, writing memory formats and layouts by their name in ``torch``: pickle
+    would name them through the first module holding ``torch`` (often ``__main__``), which another script
+    does not have."""
+    from torch.fx._graph_pickler import GraphPickler
+
+    class Pickler(GraphPickler):
+        def reducer_override(self, obj: object) -> Any:
+            if isinstance(obj, (torch.memory_format, torch.layout)):
+                return _torch_attr, (str(obj).removeprefix("torch."),)
+            return super().reducer_override(obj)
+
+    return Pickler
+
+
+def _dumps(jgm: fx.GraphModule) -> bytes:
+    from torch.fx._graph_pickler import Options
+
+    saved = {n: n.meta for n in jgm.graph.nodes}
+    try:
+        for n in jgm.graph.nodes:
+            n.meta = _clean_meta(n.meta)
+        return _pickler().dumps(jgm, Options(ops_filter=None, node_metadata_key_filter=None))
+    finally:
+        for n, meta in saved.items():
+            n.meta = meta
+
+
+def _loads(data: bytes) -> fx.GraphModule:
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation inside the unpickler
+        gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
+    assert isinstance(gm, fx.GraphModule)
+    gm.recompile()
+    return gm
+
+
+def _load(path: str) -> fx.GraphModule | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return _loads(fh.read())
+    except Exception as e:  # noqa: BLE001 - a stale or damaged entry: export again and overwrite it
+        log.warning("piper: the cached joint graph %s did not load (%s: %s); capturing it again",
+                    path, type(e).__name__, e)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        return None
+
+
+def _store(path: str, jgm: fx.GraphModule) -> bool:
+    """Write ``jgm`` to ``path`` (atomically); False when its metadata cannot be pickled."""
+    try:
+        data = _dumps(jgm)
+    except Exception as e:  # noqa: BLE001 - metadata the pickler cannot write: this graph is not cached
+        log.info("piper: the joint graph is not cached (%s: %s)", type(e).__name__, e)
+        return False
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)  # readers see the whole file or none
+    return True
+
+
+def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],
+             export: Callable[[fx.GraphModule, tuple[Any, ...]], fx.GraphModule]) -> tuple[fx.GraphModule, str]:
+    """``export(gm, fakes)``, or what an earlier export of the same key wrote: (graph, how) with how
+    "captured" (exported and written), "loaded", "uncacheable" or "off"."""
+    if not knob("PIPER_CAPTURE_CACHE"):
+        return export(gm, fakes), "off"
+    key = joint_key(gm, fakes)
+    if key is None:
+        return export(gm, fakes), "uncacheable"
+    path = os.path.join(_directory(), f"{key}.pkl")
+    jgm = _load(path)  # ranks load side by side; only exporting takes turns
+    if jgm is not None:
+        return jgm, "loaded"
+    with one_compiler(f"capture-{key}"):
+        written = os.path.exists(path)  # by the rank that held the lock before
+        if not written:
+            jgm = export(gm, fakes)
+            if not _store(path, jgm):
+                return jgm, "uncacheable"
+    # every rank plans on the graph as it loads, the exporting one too: the same metadata on all ranks,
+    # in a cold run and a warm one alike
+    loaded = _load(path)
+    if loaded is None:
+        return (jgm if jgm is not None else export(gm, fakes)), "captured"
+    return loaded, "loaded" if written else "captured"
