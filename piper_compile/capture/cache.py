@@ -8,11 +8,14 @@ configuration and the code of torch and piper. :func:`joint_key` hashes exactly 
 keeps the exported graph under that key in Inductor's cache directory (``codegen/cache.cache_root``),
 pickled with its node metadata by torch's ``GraphPickler`` (fake tensors and size symbols included).
 
-Ranks that capture the same graph take turns on a machine-wide lock per key, like segment compilation
-(``codegen/cache.one_compiler``): the first exports and writes, the others load what it wrote; a second run
-of the job loads. A graph whose key cannot be made safely (a call to a Python function or custom op whose
+Where a machine has fewer cores than ranks, ranks missing an entry take turns on a machine-wide lock per
+key, like segment compilation (``codegen/cache.one_compiler``): the first exports and writes, the others
+wait and load what it wrote. Where each rank has a core, they export side by side (waiting would add the
+load to the export's time) and the first done writes. A second run of the job loads. The exported graph
+and a loaded one plan alike (same code, same metadata: ``tests/unit/test_capture_cache.py``), and ranks
+compare their plans' fingerprints at the first call. A graph whose key cannot be made safely (a call to a Python function or custom op whose
 code the key cannot see) is exported every time (``"uncacheable"``); a file that does not load is exported
-again and overwritten. ``PIPER_CAPTURE_CACHE=0`` turns it off.
+again and overwritten. ``PIPER_CAPTURE_CACHE`` chooses ("auto", "turns", "each", "off").
 """
 from __future__ import annotations
 
@@ -229,28 +232,51 @@ def _store(path: str, jgm: fx.GraphModule) -> bool:
     return True
 
 
+def _local_ranks() -> int:
+    """Ranks of this job on this machine (torchrun's ``LOCAL_WORLD_SIZE``, else the process group's size)."""
+    import torch.distributed as dist
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit():
+        return int(local)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _take_turns(mode: str) -> bool:
+    """Whether ranks missing the entry wait for one of them to export it ("turns"), or export side by side
+    ("each"): "auto" waits only where the machine's cores are fewer than its ranks (waiting saves CPU but
+    adds the load to the export's time)."""
+    if mode != "auto":
+        return mode == "turns"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _local_ranks() > cores
+
+
 def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],
              export: Callable[[fx.GraphModule, tuple[Any, ...]], fx.GraphModule]) -> tuple[fx.GraphModule, str]:
     """``export(gm, fakes)``, or what an earlier export of the same key wrote: (graph, how) with how
-    "captured" (exported and written), "loaded", "uncacheable" or "off"."""
-    if not knob("PIPER_CAPTURE_CACHE"):
+    "captured" (exported here, and written unless another rank wrote it first), "loaded", "uncacheable"
+    or "off" (``PIPER_CAPTURE_CACHE``)."""
+    mode = knob("PIPER_CAPTURE_CACHE")
+    if mode == "off":
         return export(gm, fakes), "off"
     key = joint_key(gm, fakes)
     if key is None:
         return export(gm, fakes), "uncacheable"
     path = os.path.join(_directory(), f"{key}.pkl")
-    jgm = _load(path)  # ranks load side by side; only exporting takes turns
+    jgm = _load(path)
     if jgm is not None:
         return jgm, "loaded"
-    with one_compiler(f"capture-{key}"):
-        written = os.path.exists(path)  # by the rank that held the lock before
-        if not written:
-            jgm = export(gm, fakes)
-            if not _store(path, jgm):
-                return jgm, "uncacheable"
-    # every rank plans on the graph as it loads, the exporting one too: the same metadata on all ranks,
-    # in a cold run and a warm one alike
-    loaded = _load(path)
-    if loaded is None:
-        return (jgm if jgm is not None else export(gm, fakes)), "captured"
-    return loaded, "loaded" if written else "captured"
+    if _take_turns(mode):
+        with one_compiler(f"capture-{key}"):
+            if not os.path.exists(path):  # no rank holding the lock before wrote it: export it here
+                jgm = export(gm, fakes)
+                _store(path, jgm)
+                return jgm, "captured"
+        jgm = _load(path)
+        return (jgm, "loaded") if jgm is not None else (export(gm, fakes), "captured")
+    jgm = export(gm, fakes)
+    with one_compiler(f"capture-{key}"):  # the first rank done writes it
+        if not os.path.exists(path):
+            _store(path, jgm)
+    return jgm, "captured"

@@ -100,7 +100,7 @@ def test_a_second_capture_loads_the_first_and_plans_the_same(cache_dir, monkeypa
     x, y = model.make_batch(4, torch.Generator().manual_seed(0))
     ds = [*piper.pipeline(2), piper.split(2), *piper.schedules.one_f_one_b(2, 2)]
     loaded = piper.plan(model, x, y, directives=ds, world_size=2)
-    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "0")
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
     fresh = piper.plan(model, x, y, directives=ds, world_size=2)
     assert loaded.text() == fresh.text()
     assert {s.name: s.gm.code for s in loaded.segments.values()} == {s.name: s.gm.code for s in fresh.segments.values()}
@@ -124,6 +124,14 @@ def test_a_damaged_entry_is_exported_again(cache_dir, caplog):
 
 
 def test_the_knob_turns_it_off(cache_dir, monkeypatch):
-    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "0")
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
     t = _traced(build_model("gpt", 0, layers=1))
     assert capture_joint(t.gm, t.inputs, t.sources).how == "off" and not cache_dir.exists()
+
+
+def test_ranks_take_turns_only_where_cores_are_fewer(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+    assert cache._take_turns("auto") and not cache._take_turns("each")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert not cache._take_turns("auto") and cache._take_turns("turns")
