@@ -5,17 +5,18 @@ Inductor's cache already holds every segment: seconds per rank, paid again by ev
 Its result depends only on Dynamo's graph (code, constants, the metadata capture reads: tags, source lines,
 module stacks), the placeholders' fake values (shapes, hints, strides, dtypes, devices), the AOTAutograd
 configuration and the code of torch and piper. :func:`joint_key` hashes exactly those; :func:`exported`
-keeps the exported graph under that key in Inductor's cache directory (``codegen/cache.cache_root``),
+keeps the exported graph under that key in Inductor's cache directory (``disk.cache_root``),
 pickled with its node metadata by torch's ``GraphPickler`` (fake tensors and size symbols included).
 
 Where a machine has fewer cores than ranks, ranks missing an entry take turns on a machine-wide lock per
-key, like segment compilation (``codegen/cache.one_compiler``): the first exports and writes, the others
+key, like segment compilation (``disk.one_at_a_time``): the first exports and writes, the others
 wait and load what it wrote. Where each rank has a core, they export side by side (waiting would add the
 load to the export's time) and the first done writes. A second run of the job loads. The exported graph
 and a loaded one plan alike (same code, same metadata: ``tests/unit/test_capture_cache.py``), and ranks
-compare their plans' fingerprints at the first call. A graph whose key cannot be made safely (a call to a Python function or custom op whose
-code the key cannot see) is exported every time (``"uncacheable"``); a file that does not load is exported
-again and overwritten. ``PIPER_CAPTURE_CACHE`` chooses ("auto", "turns", "each", "off").
+compare their plans' fingerprints at the first call. A graph whose key cannot be made safely (a module
+call, or a custom op whose formulas the key cannot see) is exported every time (``"uncacheable"``); a
+file that does not load is exported again and overwritten. ``PIPER_CAPTURE_CACHE`` chooses ("auto",
+"turns", "each", "off").
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.codegen.cache import cache_root, one_compiler
+from piper_compile.disk import cache_root, one_at_a_time
 from piper_compile.knobs import knob
 
 log = logging.getLogger(__name__)
@@ -268,7 +269,7 @@ def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],
     if jgm is not None:
         return jgm, "loaded"
     if _take_turns(mode):
-        with one_compiler(f"capture-{key}"):
+        with one_at_a_time(f"capture-{key}"):
             if not os.path.exists(path):  # no rank holding the lock before wrote it: export it here
                 jgm = export(gm, fakes)
                 _store(path, jgm)
@@ -276,7 +277,7 @@ def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],
         jgm = _load(path)
         return (jgm, "loaded") if jgm is not None else (export(gm, fakes), "captured")
     jgm = export(gm, fakes)
-    with one_compiler(f"capture-{key}"):  # the first rank done writes it
+    with one_at_a_time(f"capture-{key}"):  # the first rank done writes it
         if not os.path.exists(path):
             _store(path, jgm)
     return jgm, "captured"

@@ -29,7 +29,7 @@ from torch import fx
 from piper_compile.pass_runner import run_pass, skipped_passes
 from piper_compile.capture.grad_parts import placement, split_grad_parts
 from piper_compile.capture.joint import JointGraph
-from piper_compile.capture.regions import Region, assign_regions, boundary_kind, param_derived
+from piper_compile.capture.regions import Region, assign_regions, block_of, boundary_kind, param_derived
 from piper_compile.capture.checkpointing import demote_zero3, owners, plan_checkpoint
 from piper_compile.capture.remat import NO_REMAT, RematPlan, plan_remat
 from piper_compile.directives.spec import ActivationWindow, Checkpoint
@@ -247,11 +247,9 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
     """Cut a backward node list after the node whose gradient outputs fill a bucket (the first bucket
     at most 1 MiB, the others ``cap_bytes``), so each bucket's all-reduce can start while the rest of
     the backward still computes. ``whole_blocks`` (ZeRO-3, whose forward is cut where it reads another
-    bucket): a bucket that fills inside a repeated block (``codegen.regional.block_of``) no larger than
-    the bucket ends with that block, so its pieces are whole blocks and alike blocks compile once (a
-    bucket smaller than a block is cut as asked)."""
-    from piper_compile.codegen.regional import block_of
-
+    bucket): a bucket that fills inside a repeated block (``capture.regions.block_of``, the rule regional
+    compilation cuts by) no larger than the bucket ends with that block, so its pieces are whole blocks and
+    alike blocks compile once (a bucket smaller than a block is cut as asked)."""
     blocks = [block_of(n) for n in nodes]
     for i in range(1, len(blocks)):  # a node that records no module belongs to the block before it
         blocks[i] = blocks[i] if blocks[i] is not None else blocks[i - 1]

@@ -8,6 +8,7 @@ in the graph (its earliest stage); a graph with no tags at all is one region ``{
 from __future__ import annotations
 
 import operator
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -20,10 +21,24 @@ from piper_compile.errors import PiperCaptureError
 
 Region = tuple[tuple[str, Any], ...]
 RESERVED_TAGS = {"PASS", "MB"}
+BlockKey = tuple[str, str]  # (module path of a repeated block, its class); ("", "") outside any block
+_INDEXED = re.compile(r"(?:\.|\[)'?\d+'?\]?\)?$")  # blocks.3, blocks[3], getattr(L['self'].blocks, '3')
 
 
 class RegionCycleError(PiperCaptureError):
     """Segments of regions depend on each other in a cycle (no stage order can run them)."""
+
+
+def block_of(node: fx.Node) -> BlockKey | None:
+    """The outermost indexed module (``blocks.3``) ``node`` came from, with its class; ``("", "")`` for a
+    node of the model outside any block; None when the node records no module."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    for path, cls in stack.values():  # outermost first
+        if _INDEXED.search(str(path)):
+            return str(path), getattr(cls, "__qualname__", str(cls))
+    return "", ""
 
 
 def region_label(region: Region) -> str:

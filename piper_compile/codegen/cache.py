@@ -4,7 +4,7 @@ Segments are compiled through Inductor's on-disk FX graph cache (``TORCHINDUCTOR
 one directory per user on the machine), which keys a graph by its code, input shapes and dtypes, the
 Inductor configuration and the torch version. Ranks that run the same segment -- data-parallel replicas,
 every rank of a ZeRO group, identical stages of interleaved schedules -- would otherwise all compile it at
-the same moment, each missing the cache. ``one_compiler`` makes them take turns per segment: a file lock
+the same moment, each missing the cache. ``disk.one_at_a_time`` makes them take turns per segment: a file lock
 keyed by a hash of the same things, so the first rank compiles (a miss, written to the cache) and every
 other rank then loads the artifact (a hit). Different segments compile in parallel. A mark beside the lock
 says the artifact was written, after which ranks load it side by side without taking turns. A second run of
@@ -19,21 +19,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import fx
 
-
-def cache_root() -> str:
-    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its per-user default)."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return cache_dir()
-    except (ImportError, AttributeError):  # another torch layout: the default's own rule
-        return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "torchinductor_piper")
+from piper_compile.disk import locks, one_at_a_time
 
 
 _COMPILED: dict[str, Callable[[list[Any]], Any]] = {}  # segment_key -> Inductor's function, this process
@@ -91,7 +82,7 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
         else:
             fakes = list(args)
         # Once a rank wrote the artifact, ranks load it side by side; only compiling takes turns.
-        with (contextlib.nullcontext() if _written(key) else one_compiler(key)), tracing(TracingContext(mode)):
+        with (contextlib.nullcontext() if _written(key) else one_at_a_time(key)), tracing(TracingContext(mode)):
             before = counts()
             compiled = compile_fx_inner(static, fakes)
             how = outcome(before, counts())
@@ -101,35 +92,16 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
     return compiled, how
 
 
-def _locks() -> str:
-    return os.path.join(cache_root(), "piper-locks")
-
-
 def _written(key: str) -> bool:
     """Whether a rank of this machine put segment ``key``'s artifact in the cache (so loading it needs no
     turn); a stale mark (the cache emptied since) only costs a compile without the lock."""
-    return os.path.exists(os.path.join(_locks(), f"{key}.done"))
+    return os.path.exists(os.path.join(locks(), f"{key}.done"))
 
 
 def _mark_written(key: str) -> None:
-    os.makedirs(_locks(), exist_ok=True)
-    with open(os.path.join(_locks(), f"{key}.done"), "a"):
+    os.makedirs(locks(), exist_ok=True)
+    with open(os.path.join(locks(), f"{key}.done"), "a"):
         pass
-
-
-@contextlib.contextmanager
-def one_compiler(key: str) -> Iterator[None]:
-    """Hold the machine-wide lock of segment ``key`` while compiling it (ranks take turns per segment)."""
-    import fcntl
-
-    locks = _locks()
-    os.makedirs(locks, exist_ok=True)
-    with open(os.path.join(locks, f"{key}.lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def counts() -> tuple[int, int]:

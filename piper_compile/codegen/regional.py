@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import operator
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
+from piper_compile.capture.regions import BlockKey as Key
+from piper_compile.capture.regions import block_of
+
 MIN_BLOCK_NODES = 16  # a block of fewer nodes is not worth a graph of its own
 MIN_PIECE_NODES = 4  # stray runs shorter than this join the piece before them
 
-Key = tuple[str, str]  # (module path of the block, its class); ("", "") outside any block
-_INDEXED = re.compile(r"(?:\.|\[)'?\d+'?\]?\)?$")  # blocks.3, blocks[3], getattr(L['self'].blocks, '3')
 
 
 @dataclass
@@ -57,18 +57,6 @@ class Cut:
     inputs: int
     slots: int
     results: tuple[int, ...]
-
-
-def block_of(node: fx.Node) -> Key | None:
-    """The outermost indexed module (``blocks.3``) ``node`` came from, with its class; ``("", "")`` for a
-    node of the model outside any block; None when the node records no module."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    if not stack:
-        return None
-    for path, cls in stack.values():  # outermost first
-        if _INDEXED.search(str(path)):
-            return str(path), getattr(cls, "__qualname__", str(cls))
-    return "", ""
 
 
 def _scalar(node: fx.Node) -> bool:

@@ -106,7 +106,8 @@ def test_a_second_capture_loads_the_first_and_plans_the_same(cache_dir, monkeypa
     assert {s.name: s.gm.code for s in loaded.segments.values()} == {s.name: s.gm.code for s in fresh.segments.values()}
     # another script (its __main__ without torch) loads the entry too
     path = cache_dir / os.listdir(cache_dir)[0]
-    code = f"from piper_compile.capture import cache; print(len(cache._loads(open({str(path)!r}, 'rb').read()).graph.nodes))"
+    code = ("from piper_compile.capture import cache; "
+            f"print(len(cache._loads(open({str(path)!r}, 'rb').read()).graph.nodes))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and int(out.stdout.split()[-1]) == len(first.gm.graph.nodes), out.stderr[-2000:]
 
