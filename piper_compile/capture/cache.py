@@ -8,10 +8,10 @@ configuration and the code of torch and piper. :func:`joint_key` hashes exactly 
 keeps the exported graph under that key in Inductor's cache directory (``disk.cache_root``),
 pickled with its node metadata by torch's ``GraphPickler`` (fake tensors and size symbols included).
 
-Where a machine has fewer cores than ranks, ranks missing an entry take turns on a machine-wide lock per
-key, like segment compilation (``disk.one_at_a_time``): the first exports and writes, the others
-wait and load what it wrote. Where each rank has a core, they export side by side (waiting would add the
-load to the export's time) and the first done writes. A second run of the job loads. The exported graph
+Where a machine has fewer than two cores per rank, ranks missing an entry take turns on a machine-wide
+lock per key, like segment compilation (``disk.one_at_a_time``): the first exports and writes, the others
+wait and load what it wrote. Where each rank has two cores, they export side by side (waiting would add
+the load to the export's time) and the first done writes. A second run of the job loads. The exported graph
 and a loaded one plan alike (same code, same metadata: ``tests/unit/test_capture_cache.py``), and ranks
 compare their plans' fingerprints at the first call. A graph whose key cannot be made safely (a module
 call, or a custom op whose formulas the key cannot see) is exported every time (``"uncacheable"``); a
@@ -245,12 +245,13 @@ def _local_ranks() -> int:
 
 def _take_turns(mode: str) -> bool:
     """Whether ranks missing the entry wait for one of them to export it ("turns"), or export side by side
-    ("each"): "auto" waits only where the machine's cores are fewer than its ranks (waiting saves CPU but
-    adds the load to the export's time)."""
+    ("each"): "auto" exports side by side only where every rank has two cores of the machine (a rank's
+    Inductor probe thread and compile workers run beside its export), as waiting adds the load to the
+    export's time but saves the CPU of every other export."""
     if mode != "auto":
         return mode == "turns"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return _local_ranks() > cores
+    return 2 * _local_ranks() > cores
 
 
 def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],

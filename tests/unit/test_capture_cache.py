@@ -130,9 +130,9 @@ def test_the_knob_turns_it_off(cache_dir, monkeypatch):
     assert capture_joint(t.gm, t.inputs, t.sources).how == "off" and not cache_dir.exists()
 
 
-def test_ranks_take_turns_only_where_cores_are_fewer(monkeypatch):
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+def test_ranks_take_turns_unless_each_has_two_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
     assert cache._take_turns("auto") and not cache._take_turns("each")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert not cache._take_turns("auto") and cache._take_turns("turns")
