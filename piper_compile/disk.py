@@ -1,13 +1,17 @@
-"""The machine's compile cache directory and its per-key locks: what the joint-graph cache
-(``capture/cache.py``) and segment compilation (``codegen/cache.py``) share, so neither layer imports the
-other. Both keep their entries in Inductor's own cache directory, so emptying it (or pointing
-``TORCHINDUCTOR_CACHE_DIR`` at a new one) makes every kind of entry cold at once."""
+"""The machine's compile cache directory, its per-key locks and what cache keys hash of a constant: what
+the joint-graph cache (``capture/cache.py``), segment compilation (``codegen/cache.py``) and regional
+compilation's structure keys share, so no layer imports another for them. Both caches keep their entries
+in Inductor's own cache directory, so emptying it (or pointing ``TORCHINDUCTOR_CACHE_DIR`` at a new one)
+makes every kind of entry cold at once. Also the machine's usable cores, which decide how ranks and
+planning workers share it."""
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
 from typing import Iterator
+
+import torch
 
 
 def cache_root() -> str:
@@ -38,3 +42,13 @@ def one_at_a_time(key: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def constant_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a real tensor (a graph constant whose value a cache key must include)."""
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -10,11 +10,12 @@ copy of a threaded process can inherit a lock some thread held) and no CUDA cont
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from piper_compile.disk import usable_cores
 
 __all__ = ["Outcome", "default_workers", "evaluate_groups"]
 
@@ -42,8 +43,7 @@ def default_workers(groups: int) -> int:
     if "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1 \
             or torch.cuda.is_initialized():
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, groups))
+    return max(1, min(usable_cores(), groups))
 
 
 def _evaluate(search: Any, items: list[tuple[int, Any]], t0: float, limit: float | None) -> Outcome:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.disk import cache_root, one_at_a_time
+from piper_compile.disk import cache_root, one_at_a_time, constant_bytes, usable_cores
 from piper_compile.knobs import knob
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def _attr_text(value: Any, h: Any) -> bool:
     if isinstance(value, torch.Tensor):
         h.update(_value_text(value).encode())
         if value.device.type != "meta" and not isinstance(value, torch._subclasses.FakeTensor):
-            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(constant_bytes(value))
         return True
     return False
 
@@ -250,8 +250,7 @@ def _take_turns(mode: str) -> bool:
     export's time but saves the CPU of every other export."""
     if mode != "auto":
         return mode == "turns"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 2 * _local_ranks() > cores
+    return 2 * _local_ranks() > usable_cores()
 
 
 def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.disk import locks, one_at_a_time
+from piper_compile.disk import locks, one_at_a_time, constant_bytes
 
 
 _COMPILED: dict[str, Callable[[list[Any]], Any]] = {}  # segment_key -> Inductor's function, this process
@@ -51,7 +51,7 @@ def segment_key(static: fx.GraphModule, args: list[Any]) -> str:
     for node in static.graph.find_nodes(op="get_attr"):  # constants the graph holds: their values too
         value = getattr(static, str(node.target), None)
         if isinstance(value, torch.Tensor):
-            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(constant_bytes(value))
     return h.hexdigest()[:32]
 
 

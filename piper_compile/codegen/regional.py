@@ -26,6 +26,7 @@ from torch import fx
 
 from piper_compile.capture.regions import BlockKey as Key
 from piper_compile.capture.regions import block_of
+from piper_compile.disk import constant_bytes
 
 MIN_BLOCK_NODES = 16  # a block of fewer nodes is not worth a graph of its own
 MIN_PIECE_NODES = 4  # stray runs shorter than this join the piece before them
@@ -218,7 +219,7 @@ def structure_key(gm: fx.GraphModule) -> str:
         if n.op == "get_attr":  # a constant: its value too
             value = getattr(gm, str(n.target), None)
             if isinstance(value, torch.Tensor):
-                h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                h.update(constant_bytes(value))
             else:
                 h.update(repr(value).encode())
     return h.hexdigest()[:32]
