@@ -136,11 +136,14 @@ class RankMemory:
 
     def contributors(self, n: int = 5) -> list[tuple[str, int]]:
         """The ``n`` largest parts of the peak: state by kind and the largest activations live at it."""
+        from piper_compile.sim.simulate import TEMP
+
         f = self.figures
         parts = [("parameters", f.params), ("compute copies", f.compute_copies),
                  ("gradients", max(f.grads, f.peak_grad_buckets)), ("optimizer state", f.optimizer),
                  ("gathered ZeRO-3 parameters", f.peak_gathered_params)]
-        parts += [(f"activation {v}", b) for v, b in self.live_at_peak]
+        parts += [(f"gradient {v[len(TEMP):]} while written" if v.startswith(TEMP) else f"activation {v}", b)
+                  for v, b in self.live_at_peak]
         return sorted((p for p in parts if p[1] > 0), key=lambda p: -p[1])[:n]
 
     def format(self) -> str:

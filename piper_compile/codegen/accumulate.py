@@ -52,6 +52,18 @@ def fusable(gm: fx.GraphModule, positions: tuple[int, ...]) -> bool:
     return True
 
 
+def temp_bytes(gm: fx.GraphModule, positions: tuple[int, ...]) -> int:
+    """Bytes of the largest gradient output of ``gm`` at ``positions``: what a segment fusing them holds
+    while one is written into its buffer. The kernel producing a gradient (a matmul: an extern call in
+    Inductor's code, or an eager op) writes a fresh tensor, which is added into the buffer and dropped
+    before the next gradient is made, so one such tensor is alive at a time (an upper bound where
+    Inductor fuses the write into a reduction). The memory plan's rule is the same
+    (``sim/simulate._memory``)."""
+    outs = list(gm.graph.output_node().args[0])
+    vals = [outs[i].meta.get("val") for i in positions if isinstance(outs[i], fx.Node)]
+    return max((v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)), default=0)
+
+
 def fuse(gm: fx.GraphModule, fused: Fused, how: str = "where") -> fx.GraphModule:
     """``gm`` writing its gradient outputs at ``fused`` positions into buffers given as extra inputs: after
     its own inputs come one buffer per fused gradient (in ``fused`` order), then (``how="where"``) the 0-d
@@ -166,8 +178,9 @@ def plan(program: Any, params: dict[str, torch.Tensor]) -> dict[str, tuple[tuple
 
 
 def fused_values(program: Any) -> frozenset[str]:
-    """The gradient values of ``program`` its segments write into the gradient buffers themselves: they are
-    never live as tensors of their own (the memory plan counts them as 0 bytes)."""
+    """The gradient values of ``program`` its segments write into the gradient buffers themselves: they
+    outlive no step as tensors of their own (the memory plan counts only the largest one of a step, while
+    that step runs: :func:`temp_bytes`)."""
     segs = fused_positions(program)
     return frozenset(v for ins in program.instrs if getattr(ins.node.op, "segment", None) in segs
                      for v, _ in getattr(ins.node.op, "grads", ()))

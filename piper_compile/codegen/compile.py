@@ -52,6 +52,7 @@ class CompiledSegment:
         self._outputs = 0  # outputs of the segment before fusing
         self._unfused = gm  # the graph before fusing (codegen="eager" fuses it its own way)
         self._fused: accumulate.Fused = ()  # (output position, buffer dtype) of each fused gradient
+        self.temp_bytes = 0  # the largest fused gradient: held while it is written into its buffer
 
     def fuse_gradients(self, fused: tuple[tuple[int, str, torch.dtype], ...]) -> None:
         """Before the segment first compiles: make it accumulate the gradients at these (output position,
@@ -63,6 +64,7 @@ class CompiledSegment:
         self._outputs = len(self.gm.graph.output_node().args[0])
         self._unfused = self.gm
         self._fused = tuple((i, d) for i, _, d in fused)
+        self.temp_bytes = accumulate.temp_bytes(self.gm, positions)
         self.gm = accumulate.fuse(self.gm, self._fused)
         self.fused = tuple(f for _, f, _ in fused)
 

@@ -243,6 +243,9 @@ class Executor:
         del inputs
         for v, t in zip(n.outputs, outs):
             step.put(v, t)
+        if step.transient:  # its outputs and inputs, and the largest gradient it wrote, at once
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, step.live + step.transient)
+            step.transient = 0
         self.stats.compute += 1
         loss = getattr(n.op, "loss", None)
         if loss:

@@ -81,6 +81,7 @@ class Step:
         self.sent_by: dict[str, str] = {}  # value -> the SEND in flight with it (freed there: counted until done)
         self._in_flight: dict[str, int] = {}  # SEND -> bytes of the freed value it still holds
         self.live = self.gathered = 0
+        self.transient = 0  # bytes the compute step just run held only while it ran (fused gradients)
         self.t0 = time.perf_counter()
 
     # -- values ----------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ from piper_compile.sim.cost import CostModel
 from piper_compile.sim.shapes import Sizes
 from piper_compile.sim.trace import STEP_KIND, STEP_STREAM, Span, span_of
 
+TEMP = "while written:"  # a live-at-peak entry for a fused gradient held while its step runs
+
 
 
 @dataclass
@@ -343,11 +345,24 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
     fused = fused_values(program)  # gradients its segments write into the gradient buffers themselves
     total, out, at_peak, sending = [0, 0], _MemoryWalk(), dict[str, int](), _Sending()  # total: live, gathered
 
-    def alloc(ins: Instr) -> None:
+    def alloc(ins: Instr, pos: int, early_step: bool = False) -> None:
+        temp = ("", 0)  # the largest gradient it writes into its buffer: held only while it runs
         for v, b, is_param in ins.node.op.allocates(ins.node, sizes):  # the op's memory rule
-            b, held = (0 if v in fused else b), (gathered if is_param else live)
+            if v in fused:
+                temp = max(temp, (f"{TEMP}{v}", b), key=lambda t: t[1])
+                b = 0
+            held = gathered if is_param else live
             total[is_param] += b - held.get(v, 0)
             held[v] = b
+        if temp[1] or not early_step:  # as the executor: after each step, and where a step held a temporary
+            sample(pos, temp)
+
+    def sample(pos: int, temp: tuple[str, int]) -> None:
+        nonlocal at_peak
+        if total[0] + temp[1] > out.peak:
+            out.peak, out.peak_pos, at_peak = total[0] + temp[1], pos, dict(live)
+            if temp[1]:
+                at_peak[temp[0]] = temp[1]
 
     def free(ins: Instr, pos: int) -> None:
         sent = began.get((program.rank, pos)) if began is not None and ins.node.kind is Kind.SEND else None
@@ -367,15 +382,13 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
         start = span.start if span is not None else float("inf")
         total[0] -= sending.retire(start, live)
         for k in [k for k in ahead if k > pos and (program.rank, k) in spans and spans[(program.rank, k)].start <= start]:
-            alloc(program.instrs[k])
+            alloc(program.instrs[k], pos, early_step=True)
             ahead.remove(k)
             keep = still_read(program, pos, k, early_done)  # the executor frees the rest at once
             early_done.add(k)
             _drop((v for v in program.instrs[k].frees if v not in keep), live, gathered, total)
         _drop([f"held:{w}" for w in ins.waits], live, gathered, total)  # a buffer held until waited for
-        alloc(ins)
-        if total[0] > out.peak:
-            out.peak, out.peak_pos, at_peak = total[0], pos, dict(live)
+        alloc(ins, pos)
         out.peak_gathered = max(out.peak_gathered, total[1])
         if span is not None:
             out.series.append((span.start, total[0]))

@@ -24,9 +24,12 @@ ADAMW = ("AdamW", {"lr": 1e-3})
 FIELDS = ("params", "grads", "optimizer", "peak_activations", "peak_gathered_params")
 # One P2P activation of the pipeline cases (2 rows of 16 x 32 fp32). Whether a sent activation is still
 # held at a rank's peak depends on when its peer posts the receive: run timing, which the plan predicts
-# from its cost model. Under full checkpointing a stage's peak is a few such messages (gradients are
-# written into their buffers inside the segments), so one message is allowed on top of the 10%.
+# from its cost model. Under full checkpointing a stage's peak is a few such messages plus the largest
+# gradient a backward segment writes into its buffer (held while it is written), and it falls at a
+# backward step, where one or two of stage 0's forward sends may still wait for the peer's receive
+# (measured: one or the other over three runs); so two messages are allowed on top of the 10%.
 MESSAGE = 2 * 16 * 32 * 4 / MiB
+SLACK = 2 * MESSAGE
 
 
 def _pp(schedule: list, **kw: Any) -> RunConfig:
@@ -88,7 +91,7 @@ def test_prediction_within_ten_percent_of_measurement_on_every_case():
     results = {2: run_local(_matrix_worker, 2, _cases_2()), 4: run_local(_matrix_worker, 4, _cases_4())}
     rows = _table(results)
     assert len({r[0] for r in rows}) >= 12
-    slack = lambda r: MESSAGE if r[2] == "peak_activations" and "PP" in r[0] else 0.0  # noqa: E731
+    slack = lambda r: SLACK if r[2] == "peak_activations" and "PP" in r[0] else 0.0  # noqa: E731
     bad = [r for r in rows if abs(r[4] - r[3]) > 0.10 * r[3] + slack(r) + 1e-6]
     assert not bad, bad
     for rank, cases in enumerate(results[2]):  # checkpointing: full < selective < none, measured

@@ -39,6 +39,7 @@ def test_a_fused_segment_overwrites_then_adds_and_returns_none_for_its_gradients
     seg = CompiledSegment("B.test", gm, mode)
     seg.fuse_gradients(((1, "w", torch.float32), (2, "b", torch.float32), (3, "p", torch.float32)))
     assert seg.fused == ("w", "b", "p")
+    assert seg.temp_bytes == 3 * 4 * 4  # the largest gradient, w's, is a tensor of its own until written
     bufs = (torch.full((3, 4), float("nan")), torch.full((3,), float("inf")), torch.empty(5))  # stale contents
     out = seg(list(args), None, bufs, add=False)
     assert out[1:] == [None, None, None]
@@ -54,6 +55,7 @@ def test_a_low_precision_gradient_is_accumulated_in_the_buffers_fp32():
     gm, args = _graph(torch.bfloat16)
     seg = CompiledSegment("B.bf16", gm, "eager")
     seg.fuse_gradients(((1, "w", torch.float32),))
+    assert seg.temp_bytes == 3 * 4 * 2  # in the gradient's own dtype, not the buffer's
     buf = torch.zeros(3, 4)
     seg(list(args), None, (buf,), add=False)
     seg(list(args), None, (buf,), add=True)
@@ -79,27 +81,30 @@ def test_the_accumulating_nodes_follow_their_gradient_and_keep_its_module_stack(
     assert [n.name for n in fused.graph.find_nodes(op="placeholder")][-2:] == ["grad_acc0", "grad_add"]
 
 
-def test_the_memory_plan_counts_a_gradient_only_where_its_segment_keeps_it(monkeypatch):
-    """A segment's gradient outputs cost no bytes where the segment writes them into the buffers itself
-    (``accumulate.fused_positions``, the runtime's rule); where another step reads one (so the segment is
-    not fused), or with ``PIPER_FUSED_GRADS=0``, they are live tensors."""
+def test_the_memory_plan_counts_a_fused_gradient_only_while_its_segment_writes_it(monkeypatch):
+    """Gradients a segment writes into the buffers itself (``accumulate.fused_positions``, the runtime's
+    rule) outlive no step: the plan counts only the largest one, at that step, as the runtime does
+    (each is a tensor of its own until it is written). Where another step reads one (so the segment is not
+    fused), or with ``PIPER_FUSED_GRADS=0``, they are all live tensors."""
     from piper_compile.ir.dag import Node
     from piper_compile.ir.ops import Segment
     from piper_compile.plan.program import Instr, Program
-    from piper_compile.sim.simulate import _memory
+    from piper_compile.sim.simulate import TEMP, _memory
 
     class Sizes:
         def value_bytes(self, v: str) -> int:
-            return 100
+            return {"gx": 100, "gw": 40, "gb": 30, "r": 0}[v]
 
-    b = Node("B.x", Segment("B.x", grads=(("gw", "w"),)), (), (0,), "compute", ("gy",), ("gx", "gw"))
+    b = Node("B.x", Segment("B.x", grads=(("gw", "w"), ("gb", "b"))), (), (0,), "compute", ("gy",), ("gx", "gw", "gb"))
     reader = Node("R", Segment("R"), (), (0,), "compute", ("gw",), ("r",))
-    fused = Program(0, [Instr(b, frees=("gx", "gw"))])
-    read = Program(0, [Instr(b, frees=("gx",)), Instr(reader, frees=("gw", "r"))])
-    assert _memory(fused, Sizes(), {}).peak == 100  # gx only
-    assert _memory(read, Sizes(), {}).peak == 200  # gw is a tensor another step reads
+    fused = Program(0, [Instr(b, frees=("gx", "gw", "gb"))])
+    read = Program(0, [Instr(b, frees=("gx", "gb")), Instr(reader, frees=("gw", "r"))])
+    walk = _memory(fused, Sizes(), {})
+    assert walk.peak == 140  # gx and the larger gradient, while it is written
+    assert walk.at_peak[:2] == [("gx", 100), (f"{TEMP}gw", 40)]
+    assert _memory(read, Sizes(), {}).peak == 170  # every gradient: gw is a tensor another step reads
     monkeypatch.setenv("PIPER_FUSED_GRADS", "0")
-    assert _memory(fused, Sizes(), {}).peak == 200
+    assert _memory(fused, Sizes(), {}).peak == 170
 
 
 def _train(model: torch.nn.Module, steps: int = 3) -> tuple[list[float], list[torch.Tensor], object]:

@@ -65,6 +65,7 @@ class Segment(Local):
         if not seg.fused or rt.grads is None:
             return seg(inputs, rt.key)
         bufs, overwrite = rt.grads.claim(seg.fused)  # the segment accumulates into them (codegen/accumulate)
+        rt.transient = seg.temp_bytes  # each gradient is a tensor of its own until it is written
         return seg(inputs, rt.key, bufs, not overwrite)
 
 
