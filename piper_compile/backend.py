@@ -359,7 +359,7 @@ class CompiledStep:
         assert self.state is not None and self.joint is not None
         return Executor(program, self.joint, self.compiled, self.state, groups, dag.meta.split or 1,
                         dag.meta.loss_group, self.options.timeout_s, forward_only,
-                        self.options.overlap_streams)
+                        self.options.overlap_streams, self.options.codegen)
 
     def _shard_specs(self, dag: TrainingDAG) -> dict[str, tuple[ParamShard, tuple[int, ...], str, str]]:
         """Parameters split across ranks, with this rank's group: experts (``shard``) along the expert

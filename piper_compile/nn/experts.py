@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _blocks(counts: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
+def blocks(counts: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
     """(expert, start row, end row) of every expert that has rows."""
     sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
     out, start = [], 0
@@ -25,7 +25,16 @@ def _blocks(counts: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def zero_unused(grads: tuple[torch.Tensor, ...], spans: list[tuple[int, int, int]]) -> None:
+    """Gradients written over (not added to): an expert without rows in ``spans`` has a zero gradient."""
+    used = {e for e, _, _ in spans}
+    for e in range(grads[0].shape[0]):
+        if e not in used:
+            for g in grads:
+                g[e].zero_()
+
+
+def use_triton(x: torch.Tensor) -> bool:
     """Whether ``x`` goes through the Triton kernels: CUDA fp32/bf16/fp16 only (triton is then imported on
     first use), and not while torch.compile traces (the reference stays the traced code)."""
     if (x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
@@ -38,11 +47,11 @@ def _use_triton(x: torch.Tensor) -> bool:
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
                    w_down: torch.Tensor) -> torch.Tensor:
     """Expert outputs for ``x`` (rows sorted by expert, ``counts`` rows each)."""
-    if _use_triton(x):
+    if use_triton(x):
         from piper_compile.nn.triton_experts import grouped_swiglu_triton
         return grouped_swiglu_triton(x, counts, w_gate, w_up, w_down)
     y = x.new_zeros(x.shape[0], w_down.shape[-1])
-    for e, a, b in _blocks(counts):
+    for e, a, b in blocks(counts):
         xe = x[a:b]
         y[a:b] = (F.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e]
     return y
@@ -56,7 +65,7 @@ def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Ten
     """Gradients of :func:`grouped_swiglu` w.r.t. ``x`` and the three weights (hidden values recomputed).
     ``accumulate``: existing weight-gradient buffers to add into (returned in place of new tensors);
     with ``overwrite`` their contents are replaced instead (no zeroing pass before the first write)."""
-    if _use_triton(x):
+    if use_triton(x):
         from piper_compile.nn.triton_experts import grouped_swiglu_backward_triton
         return grouped_swiglu_backward_triton(gy, x, counts, w_gate, w_up, w_down, accumulate, overwrite)
     gx = torch.zeros_like(x)
@@ -64,15 +73,11 @@ def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Ten
         gg, gu, gd = torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down)
     else:
         gg, gu, gd = accumulate
-    blocks = _blocks(counts)
+    spans = blocks(counts)
     beta = 0.0 if overwrite and accumulate is not None else 1.0  # beta=0: addmm_ ignores the old contents
     if beta == 0.0:
-        used = {e for e, _, _ in blocks}
-        for e in range(w_gate.shape[0]):
-            if e not in used:  # an expert without rows: its gradient is zero
-                for g in (gg, gu, gd):
-                    g[e].zero_()
-    for e, a, b in blocks:
+        zero_unused((gg, gu, gd), spans)
+    for e, a, b in spans:
         xe, ge = x[a:b], gy[a:b]
         g_pre, u = xe @ w_gate[e], xe @ w_up[e]
         s = torch.sigmoid(g_pre)

@@ -66,8 +66,9 @@ class Executor:
     def __init__(self, program: Program, joint: JointGraph, segments: dict[str, Callable[[list[Any]], list[Any]]],
                  state: TrainState, groups: GroupRegistry | None, microbatches: int,
                  loss_group: tuple[int, ...], timeout_s: float, forward_only: bool,
-                 overlap_streams: bool = True) -> None:
+                 overlap_streams: bool = True, codegen: str = "inductor") -> None:
         self.program = program
+        self.codegen = codegen  # how compute outside segments (the local experts) is compiled
         self.joint = joint
         self.segments = segments
         self.state = state

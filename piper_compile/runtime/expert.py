@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from piper_compile.runtime import comm
-from piper_compile.nn.experts import grouped_swiglu, grouped_swiglu_backward, route as sort_slots
+from piper_compile.codegen.experts import grouped_backward, grouped_forward
+from piper_compile.nn.experts import route as sort_slots
 
 
 @dataclass
@@ -106,19 +107,20 @@ def swiglu_flops(inputs: list[Any], forward: bool) -> int:
 
 
 def compute(role: str, forward: bool, inputs: list[Any], accumulate: tuple[torch.Tensor, ...] | None = None,
-            overwrite: bool = False) -> list[Any]:
-    """The local steps of a chain: the experts (forward or backward) and the final unpermute. Backward
-    with ``accumulate`` (the weight-gradient buffers): the weight gradients are added into them in
-    place (``overwrite``: written over their old contents) and returned as ``None``."""
+            overwrite: bool = False, codegen: str = "inductor") -> list[Any]:
+    """The local steps of a chain: the experts (forward or backward: ``codegen/experts.py`` computes them,
+    the rows regrouped by local expert around it) and the final unpermute. Backward with ``accumulate``
+    (the weight-gradient buffers): the weight gradients are added into them in place (``overwrite``:
+    written over their old contents) and returned as ``None``."""
     if role == "experts" and forward:
         recv, route, wg, wu, wd = inputs
-        ys = grouped_swiglu(_rows(recv, route.local_perm), route.local_counts, wg, wu, wd)
+        ys = grouped_forward(_rows(recv, route.local_perm), route.local_counts, wg, wu, wd, codegen)
         return [_rows(ys, route.local_inv)]
     if role == "experts":
         grecv, route, recv, wg, wu, wd = inputs
         perm = route.local_perm
-        gxs, gg, gu, gd = grouped_swiglu_backward(_rows(grecv, perm), _rows(recv, perm), route.local_counts,
-                                                  wg, wu, wd, accumulate, overwrite)  # type: ignore[arg-type]
+        gxs, gg, gu, gd = grouped_backward(_rows(grecv, perm), _rows(recv, perm), route.local_counts,
+                                           wg, wu, wd, accumulate, overwrite, codegen)  # type: ignore[arg-type]
         gx = _rows(gxs, route.local_inv)
         return [gx, None, None, None] if accumulate is not None else [gx, gg, gu, gd]
     assert role == "unpermute", role

@@ -174,7 +174,7 @@ def test_triton_available_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cpu_tensors_stay_on_the_torch_reference() -> None:
-    assert not experts._use_triton(torch.zeros(2, 4))
+    assert not experts.use_triton(torch.zeros(2, 4))
 
 
 def test_bad_shapes_raise_piper_errors() -> None:

@@ -99,7 +99,7 @@ class ExpertStep(Local):
         if self.role == "experts":  # piper.stats: the grouped SwiGLU's matmuls on the rows this rank received
             rt.stats.expert_flops += expert.swiglu_flops(inputs, self.forward)
         with torch.no_grad():  # the runtime computes gradients itself: build no autograd graph
-            return expert.compute(self.role, self.forward, inputs, acc, overwrite)
+            return expert.compute(self.role, self.forward, inputs, acc, overwrite, rt.ex.codegen)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
