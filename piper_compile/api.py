@@ -118,11 +118,12 @@ class StaticPlan:
     """A strategy planned for ``world_size`` ranks in this process: the DAG and every rank's program."""
 
     def __init__(self, dag: TrainingDAG, programs: list[Program], segments: dict[str, Any] | None = None,
-                 optimizer: Any = None) -> None:
+                 optimizer: Any = None, device_type: str = "cpu") -> None:
         self.dag = dag
         self.programs = programs
         self.segments = segments or {}  # name -> capture.segments.Segment (the compiled units)
-        self.optimizer = optimizer  # options["optimizer"]: the state it keeps counts in ``memory``
+        self.optimizer = optimizer  # options["optimizer"]: its state and its step's temporaries count in ``memory``
+        self.device_type = device_type  # the example batch's: which optimizer implementation torch defaults to
         self._memory: dict[int, Any] | None = None
 
     @property
@@ -133,7 +134,7 @@ class StaticPlan:
         if self._memory is None:
             from piper_compile.memory import plan_memory
 
-            self._memory = plan_memory(self.dag, self.programs, self.optimizer)
+            self._memory = plan_memory(self.dag, self.programs, self.optimizer, self.device_type)
         return self._memory
 
     def text(self) -> str:
@@ -154,7 +155,8 @@ def plan(model: nn.Module, *example_args: Any, directives: Any, world_size: int,
 
     with planning(model, example_args):  # a model built on the meta device: stand-ins while planning
         cs = capture_step(model, *example_args, directives=directives, world_size=world_size, options=options)
-        return StaticPlan(*cs.build(forward_only), cs.segments, cs.options.optimizer)
+        device = next((a.device.type for a in example_args if isinstance(a, torch.Tensor)), "cpu")
+        return StaticPlan(*cs.build(forward_only), cs.segments, cs.options.optimizer, device)
 
 
 def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_size: int,

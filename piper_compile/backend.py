@@ -300,7 +300,8 @@ class CompiledStep:
             programs = build_programs(dag, self.world, self.options.reorder_window)
             verify_programs(programs)
             if self.options.memory_budget_mb is not None and not forward_only:  # before anything runs
-                check_budget(plan_memory(dag, programs, self.options.optimizer), self.options.memory_budget_mb)
+                device = self.state.device.type if self.state is not None else "cpu"
+                check_budget(plan_memory(dag, programs, self.options.optimizer, device), self.options.memory_budget_mb)
             self.blueprints[forward_only] = Blueprint(dag, programs, self.world)
         return self.blueprints[forward_only]
 

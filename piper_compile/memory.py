@@ -38,6 +38,7 @@ class MemoryFigures:
     peak_activations: int = 0
     peak_gathered_params: int = 0  # ZeRO-3 all-gathered parameters
     peak_grad_buckets: int = 0  # gradient buffers during the step (ZeRO-2/3 full buckets are transient)
+    optimizer_step: int = 0  # temporaries the optimizer step holds (runtime/optimizer_memory.py)
 
     @property
     def persistent(self) -> int:
@@ -45,10 +46,11 @@ class MemoryFigures:
 
     @property
     def peak_total(self) -> int:
-        """Persistent state plus the step's peaks: gradient buffers (at least the persistent ones),
-        activations and ZeRO-3 gathered parameters, as if they peaked together (an upper bound)."""
+        """Persistent state plus the step's peaks: gradient buffers (at least the persistent ones), and
+        activations with ZeRO-3 gathered parameters as if they peaked together (an upper bound) -- or the
+        optimizer step's temporaries, where larger: the update runs after the backward freed them."""
         return (self.params + self.compute_copies + self.optimizer + max(self.grads, self.peak_grad_buckets)
-                + self.peak_activations + self.peak_gathered_params)
+                + max(self.peak_activations + self.peak_gathered_params, self.optimizer_step))
 
     def line(self) -> str:
         return "  ".join(f"{f.name} {getattr(self, f.name) / MiB:.3f}" for f in fields(self))
@@ -98,7 +100,7 @@ def _measured(cs: Any) -> MemoryFigures:
     s = ex.stats
     copies = sum(t.numel() * t.element_size() for t in st.compute_copies())
     return MemoryFigures(_storage_bytes(tensors), copies, grads, _storage_bytes(opt_tensors), s.peak_live_bytes,
-                         s.peak_gathered_bytes, s.peak_grad_bytes)
+                         s.peak_gathered_bytes, s.peak_grad_bytes, st.optimizer_step_bytes)
 
 
 def optimizer_state_factor(opt: Any) -> int:
@@ -142,6 +144,9 @@ class RankMemory:
         parts = [("parameters", f.params), ("compute copies", f.compute_copies),
                  ("gradients", max(f.grads, f.peak_grad_buckets)), ("optimizer state", f.optimizer),
                  ("gathered ZeRO-3 parameters", f.peak_gathered_params)]
+        if f.optimizer_step > f.peak_activations + f.peak_gathered_params:  # the peak is the update
+            return sorted([p for p in parts[:4] if p[1] > 0] + [("optimizer step temporaries", f.optimizer_step)],
+                          key=lambda p: -p[1])[:n]
         parts += [(f"gradient {v[len(TEMP):]} while written" if v.startswith(TEMP) else f"activation {v}", b)
                   for v, b in self.live_at_peak]
         return sorted((p for p in parts if p[1] > 0), key=lambda p: -p[1])[:n]
@@ -184,12 +189,14 @@ class RankMemories(Mapping[int, RankMemory]):
         return {r: self.reps[rep].figures.peak_total for r, rep in self._reps().items()}
 
 
-def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None) -> RankMemories:
+def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None, device_type: str = "cpu") -> RankMemories:
     """Every rank's predicted memory for planned ``programs`` (``optimizer``: the optimizer, its class or a
-    partial of it, for the state it keeps per parameter element)."""
+    partial of it, for the state it keeps per parameter element and the temporaries its step holds on
+    ``device_type``, where its default implementation differs)."""
+    from piper_compile.runtime.optimizer_memory import step_transient
     from piper_compile.sim.cost import UniformCost
     from piper_compile.sim.shapes import Sizes
-    from piper_compile.sim.simulate import copy_bytes, simulate, trained_bytes
+    from piper_compile.sim.simulate import copy_bytes, simulate, trained_tensors
 
     res = simulate(programs, UniformCost(comm=MEMORY_COMM_S), dag)
     sizes = Sizes.from_dag(dag)
@@ -199,9 +206,11 @@ def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None) -> Ran
     classes = res.classes or {p.rank: (p.rank,) for p in programs}
     for rep in classes:
         p = programs[rep]
+        trained = trained_tensors(p, sizes)
         figures = MemoryFigures(res.param_bytes[rep], copy_bytes(p, sizes), res.grad_bytes[rep],
-                                factor * trained_bytes(p, sizes), res.peak_activation_bytes[rep],
-                                res.peak_gathered_bytes.get(rep, 0), res.peak_grad_bytes.get(rep, 0))
+                                factor * sum(trained), res.peak_activation_bytes[rep],
+                                res.peak_gathered_bytes.get(rep, 0), res.peak_grad_bytes.get(rep, 0),
+                                step_transient(optimizer, trained, device_type))
         pos = res.peak_activation_pos.get(rep, -1)
         ins = p.instrs[pos] if 0 <= pos < len(p.instrs) else None
         reps[rep] = RankMemory(rep, figures, pos, ins, res.live_at_peak.get(rep, []))
@@ -227,7 +236,7 @@ def check_budget(memory: dict[int, RankMemory], budget_mb: float) -> None:
 
 def _predicted(cs: Any) -> MemoryFigures:
     plan = cs.plans[False]
-    return plan_memory(plan.dag, plan.programs, cs.state.optimizer)[cs.rank].figures
+    return plan_memory(plan.dag, plan.programs, cs.state.optimizer, cs.state.device.type)[cs.rank].figures
 
 
 def memory_report(step: Any) -> MemoryReport:

@@ -15,6 +15,7 @@ moved a parameter of a given device and dtype, each step checks that one did, an
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Iterable
 
@@ -117,12 +118,13 @@ def _sample(watched: list[torch.Tensor], budget: dict[Any, int]) -> tuple[list[t
     return sample, whole
 
 
-def step_checked(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+def step_checked(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], measure: Any = None) -> None:
     """``opt.step()`` for ``params`` (whose ``.grad`` is set). Until a step with a nonzero gradient has
     moved a parameter of a (device, dtype), check that this one did: raise if no parameter of a (device,
     dtype) with a nonzero gradient and a positive learning rate moved. The check copies the smallest such
     parameters up to ``SAMPLE_BYTES`` (not every parameter: the first step would hold a second copy of
-    them all); where none of a partial sample moved, the next step checks again with twice the budget."""
+    them all); where none of a partial sample moved, the next step checks again with twice the budget.
+    ``measure`` (``optimizer_memory.Allocations``): active during the step itself, for its temporaries."""
     seen: set[tuple[torch.device, torch.dtype]] = opt.__dict__.setdefault("_piper_moved", set())
     budget: dict[Any, int] = opt.__dict__.setdefault("_piper_check_bytes", {})
     lr = {id(p): g.get("lr", 1.0) for g in opt.param_groups for p in g["params"]}
@@ -130,7 +132,8 @@ def step_checked(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> 
                and float(lr[id(p)]) > 0 and bool(p.grad.any())]
     watched, whole = _sample(watched, budget)
     before = [p.detach().clone() for p in watched]
-    opt.step()
+    with measure if measure is not None else contextlib.nullcontext():
+        opt.step()
     if not watched:
         return
     kinds = {(p.device, p.dtype) for p in watched}

@@ -18,6 +18,9 @@ from piper_compile.runtime import comm
 from piper_compile.runtime.loss_scale import LossScaler
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
+from piper_compile.runtime.optimizer_memory import Allocations
+
+MEASURED_UPDATE = 1  # the update whose temporaries memory_report shows: the second (the first makes the state)
 from piper_compile.runtime.shards import LocalShard
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
 
@@ -55,6 +58,7 @@ class TrainState:
         self.precision = Precision()  # options["mixed_precision"]: the compute copies' dtype
         self._copies: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}  # fqn -> (source version, copy)
         self.updates = 0  # optimizer steps so far (a compute copy made before the last one is stale)
+        self.optimizer_step_bytes = 0  # bytes of temporaries the MEASURED_UPDATE held at once
         self.scaler: LossScaler | None = None  # fp16: dynamic loss scaling (runtime/loss_scale.py)
         self.deferred: Any = None  # a model built on the meta device: its init (init/deferred.Deferred)
         self.load_bytes = 0  # bytes the last Hugging Face checkpoint load read on this rank (checkpoint/hf.py)
@@ -330,7 +334,10 @@ class TrainState:
                 g.mul_(coef.to(g.dtype))
         for p, g in pairs:
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
-        step_checked(opt, [p for p, _ in pairs])  # raises if the first update with a nonzero gradient moved nothing
+        seen = Allocations() if self.updates == MEASURED_UPDATE else None
+        step_checked(opt, [p for p, _ in pairs], seen)  # raises if the first update with a nonzero gradient moved nothing
+        if seen is not None:
+            self.optimizer_step_bytes = seen.peak
         self.updates += 1
         for p, _ in pairs:
             p.grad = None

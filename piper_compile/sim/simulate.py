@@ -460,15 +460,21 @@ def copy_bytes(program: Program, sizes: Sizes) -> int:
     return sizes.params_bytes(sorted(read_and_written(program)[0] - gathered), "compute")
 
 
-def trained_bytes(program: Program, sizes: Sizes) -> int:
-    """Bytes of what the rank's optimizer updates: its shards of ZeRO buckets, whole other parameters."""
+def trained_tensors(program: Program, sizes: Sizes) -> list[int]:
+    """Bytes of each tensor the rank's optimizer updates: its shard of each ZeRO bucket (one flat tensor),
+    each other parameter whole."""
     upd = program.update_node()
     if upd is None:
-        return 0
+        return []
     zero = zero_buckets(program)
     sharded = {f for fqns, _, _ in zero.values() for f in fqns}
-    out = sizes.params_bytes([f for f in upd.op.params if f not in sharded])  # type: ignore[attr-defined]
-    return out + sum(_shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w) for fqns, w, _ in zero.values())
+    out = [sizes.params_bytes([f]) for f in upd.op.params if f not in sharded]  # type: ignore[attr-defined]
+    return out + [_shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w) for fqns, w, _ in zero.values()]
+
+
+def trained_bytes(program: Program, sizes: Sizes) -> int:
+    """Bytes of what the rank's optimizer updates: its shards of ZeRO buckets, whole other parameters."""
+    return sum(trained_tensors(program, sizes))
 
 
 def read_and_written(program: Program) -> tuple[set[str], set[str]]:

@@ -21,7 +21,8 @@ S = piper.schedules
 GPT = {"layers": 4}
 TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
 ADAMW = ("AdamW", {"lr": 1e-3})
-FIELDS = ("params", "grads", "optimizer", "peak_activations", "peak_gathered_params")
+ADAMW_FOREACH = ("AdamW", {"lr": 1e-3, "foreach": True})  # torch's CUDA default: temporaries of every tensor
+FIELDS = ("params", "grads", "optimizer", "peak_activations", "peak_gathered_params", "optimizer_step")
 # One P2P activation of the pipeline cases (2 rows of 16 x 32 fp32). Whether a sent activation is still
 # held at a rank's peak depends on when its peer posts the receive: run timing, which the plan predicts
 # from its cost model. Under full checkpointing a stage's peak is a few such messages plus the largest
@@ -38,10 +39,12 @@ def _pp(schedule: list, **kw: Any) -> RunConfig:
 
 
 def _cases_2() -> dict[str, RunConfig]:
-    dp = lambda zero, **kw: RunConfig(model="gpt", model_kwargs=GPT, local_batch=8, steps=2, optimizer=ADAMW,  # noqa: E731
-                                      directives=[piper.replicate(zero=zero, bucket_mb=0.05), piper.split(2)], **kw)
+    dp = lambda zero, **kw: RunConfig(model="gpt", model_kwargs=GPT, local_batch=8, steps=2,  # noqa: E731
+                                      directives=[piper.replicate(zero=zero, bucket_mb=0.05), piper.split(2)],
+                                      **{"optimizer": ADAMW, **kw})
     return {
         "DP2": dp(0), "DP2 ZeRO-1": dp(1), "DP2 ZeRO-2": dp(2), "DP2 ZeRO-3": dp(3),
+        "DP2 AdamW foreach": dp(0, optimizer=ADAMW_FOREACH), "DP2 ZeRO-1 AdamW foreach": dp(1, optimizer=ADAMW_FOREACH),
         "DP2 ZeRO-3 bf16": dp(3, mixed_precision={"param_dtype": "bf16"}),
         "PP2 GPipe": _pp(S.gpipe(2, 4)), "PP2 1F1B": _pp(S.one_f_one_b(2, 4)), "PP2 ZB-H1": _pp(S.zb_h1(2, 4)),
         "PP2 1F1B selective": _pp([*S.one_f_one_b(2, 4), piper.checkpoint({"PP": "*"}, policy="selective")]),
