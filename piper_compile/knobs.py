@@ -91,7 +91,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_CAPTURE_CACHE", "choice", "auto", "keep AOTAutograd's joint graph of each distinct model graph in "
          "Inductor's cache directory, so a second run loads it: 'turns' (ranks missing it wait while one exports "
          "it, then load it), 'each' (they export side by side, the first done writes it), 'auto' (turns unless "
-         "the machine has two cores per rank, else each), 'off'", choices=("auto", "turns", "each", "off")),
+         "the machine has two cores per rank, else each; off on torch older than 2.13, where its round trip is "
+         "untested), 'off'", choices=("auto", "turns", "each", "off")),
     Knob("PIPER_REGIONAL", "flag", True, "regional compilation: a segment holding repeated blocks (the children "
          "of one ModuleList, like a transformer's layers) is compiled block by block, so identical blocks compile "
          "once (0: each segment is compiled as one graph)"),

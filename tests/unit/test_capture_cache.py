@@ -130,6 +130,14 @@ def test_the_knob_turns_it_off(cache_dir, monkeypatch):
     assert capture_joint(t.gm, t.inputs, t.sources).how == "off" and not cache_dir.exists()
 
 
+def test_auto_is_off_on_a_torch_whose_round_trip_is_untested(cache_dir, monkeypatch):
+    t = _traced(build_model("gpt", 0, layers=1))
+    monkeypatch.setattr(cache.torch, "__version__", "2.11.0+cu128")
+    assert capture_joint(t.gm, t.inputs, t.sources).how == "off" and not cache_dir.exists()
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "turns")  # asked for by name: cached
+    assert capture_joint(t.gm, t.inputs, t.sources).how == "captured"
+
+
 def test_ranks_take_turns_unless_each_has_two_cores(monkeypatch):
     monkeypatch.setattr(cache, "usable_cores", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
