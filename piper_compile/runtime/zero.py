@@ -169,11 +169,15 @@ class ZeroState:
         return all_gather_in_place(b.flat, group)
 
     def gather(self, name: str, group: Any) -> tuple[torch.Tensor, Any]:
-        """ZeRO-3: a fresh full flat buffer of the bucket (async); the caller takes views of it."""
+        """ZeRO-3: a fresh full flat buffer of the bucket (async); the caller takes views of it. This rank's
+        shard is copied into its slice and the others arrive in place (``all_gather_in_place``: on gloo
+        no second full-size buffer, which its all-gather would allocate per call)."""
         b = self.buckets[name]
         inp = self.gather_input(b, compute=True)
         out = torch.empty(b.padded, dtype=inp.dtype, device=b.device)
-        return out, all_gather(out, inp, group)
+        lo, hi = b.shard_range()
+        out[lo:hi].copy_(inp)
+        return out, all_gather_in_place(out, group)
 
     def full_flat(self, name: str, groups: Any) -> torch.Tensor:
         """The bucket's full flat parameters: ZeRO-1/2 hold them; ZeRO-3 all-gathers them (blocking, a

@@ -67,7 +67,7 @@ class GradReduce(Collective):
         """ZeRO-2/3: the bucket's summed gradient, this rank's shard only; the full buffer is released.
         The previous reduce-scatters are retired first (as FSDP does), so at most one full bucket is in
         flight: polling cannot do it, gloo's reduce-scatter only reports completion once waited on."""
-        from piper_compile.runtime.comm import reduce_scatter
+        from piper_compile.runtime.comm import reduce_scatter_consuming
 
         rt.retire_kept()
         zero = rt.state.zero
@@ -82,7 +82,7 @@ class GradReduce(Collective):
             rt.on_finish(ins.node.name, lambda: [f() for f in then])
         rt.keep(ins.node.name, sent)  # alive until the reduce-scatter completes
         rt.grads.release(self.bucket)
-        work = reduce_scatter(got, sent, rt.group(ins.node.stream, ins.node.devices))
+        work = reduce_scatter_consuming(got, sent, rt.group(ins.node.stream, ins.node.devices))
         rt.note_grad_bytes(extra=sent)
         return work
 
