@@ -329,6 +329,42 @@ class _Sending:
         return sum(live.pop(v, 0) for _, v in gone)
 
 
+class _Held:
+    """What one rank's memory walk holds: live values and gathered parameters with their bytes, the
+    running totals, and the walk's peak so far (``_memory``)."""
+
+    def __init__(self, sizes: Sizes, fused: frozenset[str]) -> None:
+        self.sizes, self.fused = sizes, fused  # fused: gradients segments write into the buffers themselves
+        self.live: dict[str, int] = {}
+        self.gathered: dict[str, int] = {}
+        self.total = [0, 0]  # live, gathered
+        self.out = _MemoryWalk()
+        self.at_peak: dict[str, int] = {}
+
+    def alloc(self, ins: Instr, pos: int, early_step: bool = False) -> None:
+        """The step's outputs (the op's memory rule), then the peak sample: after each step in program
+        order, and where a step ran ahead held a temporary (as the executor samples)."""
+        temp = ("", 0)  # the largest gradient it writes into its buffer: held only while it runs
+        for v, b, is_param in ins.node.op.allocates(ins.node, self.sizes):
+            if v in self.fused:
+                temp = max(temp, (f"{TEMP}{v}", b), key=lambda t: t[1])
+                b = 0
+            held = self.gathered if is_param else self.live
+            self.total[is_param] += b - held.get(v, 0)
+            held[v] = b
+        if temp[1] or not early_step:
+            self._sample(pos, temp)
+
+    def _sample(self, pos: int, temp: tuple[str, int]) -> None:
+        if self.total[0] + temp[1] > self.out.peak:
+            self.out.peak, self.out.peak_pos, self.at_peak = self.total[0] + temp[1], pos, dict(self.live)
+            if temp[1]:
+                self.at_peak[temp[0]] = temp[1]
+
+    def drop(self, values: Any) -> None:
+        _drop(values, self.live, self.gathered, self.total)
+
+
 def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             early: set[int] | frozenset[int] = frozenset(),
             began: dict[tuple[int, int], float] | None = None) -> _MemoryWalk:
@@ -340,29 +376,8 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
     (``began``: the peer posted its receive) and through the step the host runs next (the executor counts
     it until it sees the send complete, before an instruction: ``Step.free``); the transfer itself counts
     as instant."""
-    live: dict[str, int] = {}
-    gathered: dict[str, int] = {}
-    fused = fused_values(program)  # gradients its segments write into the gradient buffers themselves
-    total, out, at_peak, sending = [0, 0], _MemoryWalk(), dict[str, int](), _Sending()  # total: live, gathered
-
-    def alloc(ins: Instr, pos: int, early_step: bool = False) -> None:
-        temp = ("", 0)  # the largest gradient it writes into its buffer: held only while it runs
-        for v, b, is_param in ins.node.op.allocates(ins.node, sizes):  # the op's memory rule
-            if v in fused:
-                temp = max(temp, (f"{TEMP}{v}", b), key=lambda t: t[1])
-                b = 0
-            held = gathered if is_param else live
-            total[is_param] += b - held.get(v, 0)
-            held[v] = b
-        if temp[1] or not early_step:  # as the executor: after each step, and where a step held a temporary
-            sample(pos, temp)
-
-    def sample(pos: int, temp: tuple[str, int]) -> None:
-        nonlocal at_peak
-        if total[0] + temp[1] > out.peak:
-            out.peak, out.peak_pos, at_peak = total[0] + temp[1], pos, dict(live)
-            if temp[1]:
-                at_peak[temp[0]] = temp[1]
+    h, sending = _Held(sizes, fused_values(program)), _Sending()
+    out = h.out
 
     def free(ins: Instr, pos: int) -> None:
         sent = began.get((program.rank, pos)) if began is not None and ins.node.kind is Kind.SEND else None
@@ -370,7 +385,7 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             if sent is not None and v in ins.node.inputs:
                 sending.items.append((sent, v))
             else:
-                _drop([v], live, gathered, total)
+                h.drop([v])
 
     ahead = sorted(early)  # not run yet, in program order
     early_done: set[int] = set()
@@ -380,22 +395,22 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             free(ins, pos)
             continue
         start = span.start if span is not None else float("inf")
-        total[0] -= sending.retire(start, live)
+        h.total[0] -= sending.retire(start, h.live)
         for k in [k for k in ahead if k > pos and (program.rank, k) in spans and spans[(program.rank, k)].start <= start]:
-            alloc(program.instrs[k], pos, early_step=True)
+            h.alloc(program.instrs[k], pos, early_step=True)
             ahead.remove(k)
             keep = still_read(program, pos, k, early_done)  # the executor frees the rest at once
             early_done.add(k)
-            _drop((v for v in program.instrs[k].frees if v not in keep), live, gathered, total)
-        _drop([f"held:{w}" for w in ins.waits], live, gathered, total)  # a buffer held until waited for
-        alloc(ins, pos)
-        out.peak_gathered = max(out.peak_gathered, total[1])
+            h.drop(v for v in program.instrs[k].frees if v not in keep)
+        h.drop([f"held:{w}" for w in ins.waits])  # a buffer held until waited for
+        h.alloc(ins, pos)
+        out.peak_gathered = max(out.peak_gathered, h.total[1])
         if span is not None:
-            out.series.append((span.start, total[0]))
+            out.series.append((span.start, h.total[0]))
         free(ins, pos)
         if span is not None:
-            out.series.append((span.host_end, total[0]))
-    out.at_peak = sorted(at_peak.items(), key=lambda kv: -kv[1])
+            out.series.append((span.host_end, h.total[0]))
+    out.at_peak = sorted(h.at_peak.items(), key=lambda kv: -kv[1])
     return out
 
 
