@@ -249,7 +249,8 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
     the backward still computes. ``whole_blocks`` (ZeRO-3, whose forward is cut where it reads another
     bucket): a bucket that fills inside a repeated block (``capture.regions.block_of``, the rule regional
     compilation cuts by) no larger than the bucket ends with that block, so its pieces are whole blocks and
-    alike blocks compile once (a bucket smaller than a block is cut as asked)."""
+    alike blocks compile once (a bucket smaller than a block is cut as asked; the first bucket too ends
+    with its block, not at 1 MiB)."""
     blocks = [block_of(n) for n in nodes]
     for i in range(1, len(blocks)):  # a node that records no module belongs to the block before it
         blocks[i] = blocks[i] if blocks[i] is not None else blocks[i - 1]
@@ -268,7 +269,7 @@ def _chunk_backward(nodes: list[fx.Node], joint: JointGraph, cap_bytes: float,
             p = joint.params[fqn]
             size += p.numel() * p.element_size()
         here = blocks[i]
-        inside = whole_blocks and here is not None and here[0] != "" and sizes.get(here, 0.0) <= cap
+        inside = whole_blocks and here is not None and here[0] != "" and sizes.get(here, 0.0) <= cap_bytes
         if size >= cap and not (inside and i + 1 < len(nodes) and blocks[i + 1] == here):
             chunks.append([])
             size, cap = 0.0, cap_bytes

@@ -119,13 +119,14 @@ def test_a_piece_inductor_cannot_compile_runs_eagerly_and_names_the_piece(monkey
 
 
 @pytest.mark.slow  # in the full suite; keeps the fast subset under 5 min
-@pytest.mark.parametrize("blocks_per_bucket", [1.0, 2.5, 0.5])
-def test_zero3_chunks_hold_whole_blocks(blocks_per_bucket):
+@pytest.mark.parametrize("blocks_per_bucket,dim", [(1.0, 32), (2.5, 32), (0.5, 32), (1.0, 192)])
+def test_zero3_chunks_hold_whole_blocks(blocks_per_bucket, dim):
     """ZeRO-3 cuts the forward where it reads another gradient bucket, and buckets used to end inside a
     block, so no two chunks held alike pieces. A bucket at least a block large now ends with a block:
-    every block's forward and backward lie in one chunk each (so alike blocks can compile as one graph).
-    A bucket smaller than a block is cut where it fills, as asked."""
-    model = build_model("gpt", 0, layers=4)
+    every block's forward and backward lie in one chunk each (so alike blocks can compile as one graph),
+    also the first bucket, which is otherwise cut at 1 MiB (dim 192: a block of 1.7 MiB). A bucket
+    smaller than a block is cut where it fills, as asked."""
+    model = build_model("gpt", 0, layers=4, dim=dim)
     block_mb = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
     plan = piper.plan(model, *model.make_batch(4, torch.Generator().manual_seed(0)), world_size=2,
                       directives=[piper.replicate(zero=3, bucket_mb=blocks_per_bucket * block_mb), piper.split(1)],
