@@ -93,25 +93,29 @@ class _Compiled:
         self.kernels: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self.failed: str | None = None
 
-    def get(self, x: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor
+    def get(self, x: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, grad_dtype: torch.dtype | None = None
             ) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+        """(forward, backward) for rows like ``x``, weights like ``wg``/``wd`` and gradient buffers of
+        ``grad_dtype`` (default: the weights'; mixed precision writes bf16 gradients into fp32 buffers)."""
         if self.failed is not None:
             return None
-        key = (tuple(wg.shape[1:]), tuple(wd.shape[1:]), x.dtype, wg.dtype, str(x.device))
+        grad_dtype = grad_dtype or wg.dtype
+        key = (tuple(wg.shape[1:]), tuple(wd.shape[1:]), x.dtype, wg.dtype, grad_dtype, str(x.device))
         if key not in self.kernels:
-            self.kernels[key] = self._build(x, wg, wd)
+            self.kernels[key] = self._build(x, wg, wd, grad_dtype)
         return self.kernels[key]
 
     @staticmethod
-    def _build(x: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor
+    def _build(x: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, grad_dtype: torch.dtype
                ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        w = lambda: wg.new_empty(wg.shape[1:])  # noqa: E731 - every input its own tensor (one placeholder each)
-        w2 = lambda: wd.new_empty(wd.shape[1:])  # noqa: E731
+        def w(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return like.new_empty(like.shape[1:], dtype=dtype)  # every input its own tensor (one placeholder each)
+
         rows, out = x.new_empty(ROWS_HINT, x.shape[1]), x.new_empty(ROWS_HINT, wd.shape[-1])
         flag = torch.zeros((), dtype=torch.bool, device=x.device)
-        forward = _compile(expert_forward, [rows, w(), w(), w2()], [True, False, False, False])
-        backward = _compile(expert_backward, [out, rows, w(), w(), w2(), w(), w(), w2(), flag],
-                            [True, True] + [False] * 7)
+        forward = _compile(expert_forward, [rows, w(wg), w(wg), w(wd)], [True, False, False, False])
+        grads = [w(wg, grad_dtype), w(wg, grad_dtype), w(wd, grad_dtype)]
+        backward = _compile(expert_backward, [out, rows, w(wg), w(wg), w(wd), *grads, flag], [True, True] + [False] * 7)
         return forward, backward
 
     def fail(self, e: Exception) -> None:
@@ -123,13 +127,19 @@ class _Compiled:
 COMPILED = _Compiled()
 
 
-def _compiled(x: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, codegen: str
-              ) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+def compiles(x: torch.Tensor, codegen: str) -> bool:
+    """Whether experts on rows like ``x`` run Inductor's code (which also writes low-precision weight
+    gradients into fp32 buffers; the reference and the Triton kernels take buffers of the weights' dtype)."""
+    return codegen == "inductor" and not reference.use_triton(x) and COMPILED.failed is None
+
+
+def _compiled(x: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, codegen: str,
+              grad_dtype: torch.dtype | None = None) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The per-expert functions to use for rows ``x``, or None for the reference / Triton path."""
-    if codegen != "inductor" or reference.use_triton(x):
+    if not compiles(x, codegen):
         return None
     try:
-        return COMPILED.get(x, wg, wd)
+        return COMPILED.get(x, wg, wd, grad_dtype)
     except Exception as e:  # noqa: BLE001 - an Inductor failure must not stop training
         COMPILED.fail(e)
         return None
@@ -151,8 +161,9 @@ def grouped_backward(gy: torch.Tensor, x: torch.Tensor, counts: list[int], wg: t
                      wd: torch.Tensor, acc: Grads | None, overwrite: bool, codegen: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input gradient, weight gradients) of :func:`grouped_forward`; with ``acc`` (the gradient buffers)
-    the weight gradients are written into them (over their contents when ``overwrite``) and returned."""
-    fns = _compiled(x, wg, wd, codegen)
+    the weight gradients are written into them (over their contents when ``overwrite``) and returned;
+    buffers of another dtype than the weights' only where :func:`compiles`."""
+    fns = _compiled(x, wg, wd, codegen, acc[0].dtype if acc is not None else None)
     if fns is None:
         return reference.grouped_swiglu_backward(gy, x, counts, wg, wu, wd, acc, overwrite)
     if acc is None:  # fresh gradients: an expert without rows keeps zeros

@@ -96,14 +96,23 @@ def test_v_schedules_bf16(schedule: str):
     assert "BW" in res[0]["program"]
 
 
-def test_ep2_bf16():
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_ep2_bf16(codegen):
     """Expert parallel: tokens cross ranks in bf16, experts computed in bf16, their gradients in fp32.
-    SGD: routing is discrete, see test_expert_parallel."""
+    SGD: routing is discrete, see test_expert_parallel. Under Inductor the compiled experts write their
+    bf16 weight gradients into the fp32 buffers themselves (codegen/experts.py); eagerly they are
+    returned and added by the runtime."""
     cfg = RunConfig(model="moe", model_kwargs={"experts": 4}, local_batch=4, steps=3, mixed_precision=BF16,
-                    directives=[piper.split(2), piper.replicate(), piper.shard({"EP": 0})])
+                    directives=[piper.split(2), piper.replicate(), piper.shard({"EP": 0})], codegen=codegen)
     # An expert's weight gradient is one bf16 matmul over the rows both replicas sent it, where the
     # reference rounds each replica's part on its own: ~3e-4 apart, 10x nearer than fp32 training.
-    run_mixed_parity(cfg, 2, max_err=1e-3, closer=0.2)
+    # Inductor's bf16 segments keep fused intermediates in fp32 (test_inductor_bf16_single_rank): with SGD's
+    # small updates that is 0.0026 from the reference against 0.0033 from fp32 training (the same with the
+    # expert gradients returned instead of written into the buffers: measured), so its bound is looser; a
+    # gradient not written at all would leave its expert's update 1.0 away.
+    bounds = {"max_err": 1e-3, "closer": 0.2} if codegen == "eager" else {"max_err": 0.06, "closer": 0.9, "loss_tol": 2**-6}
+    res = run_mixed_parity(cfg, 2, **bounds)
+    assert not any(r["fallbacks"] for r in res)
 
 
 def test_tp2_sequence_parallel_bf16():

@@ -87,3 +87,23 @@ def test_an_inductor_failure_warns_once_and_computes_with_the_reference(monkeypa
     assert broken.failed == "RuntimeError: no compiler"
     compiled.grouped_forward(x, [1, 2, 3, 4], *w, "inductor")  # no second warning, no second try
     assert len(calls) == 1
+
+
+def test_low_precision_gradients_are_written_into_fp32_buffers_as_the_runtime_would_add_them() -> None:
+    """Mixed precision: bf16 rows and weights, fp32 gradient buffers. The compiled backward writes the
+    bf16 weight gradients into them: bitwise what returning them and ``GradBuffers.accumulate`` (copy on
+    the first write, add after) gives."""
+    counts = [3, 0, 6, 5]
+    w = tuple(t.to(torch.bfloat16) for t in _weights(5))
+    x, gy = (t.to(torch.bfloat16) for t in _rows(counts, 6))
+    assert compiled.compiles(x, "inductor")
+    _, *want = compiled.grouped_backward(gy, x, counts, *w, None, False, "inductor")  # bf16 gradients
+    bufs = tuple(torch.full(t.shape, float("nan"), dtype=torch.float32) for t in w)
+    compiled.grouped_backward(gy, x, counts, *w, bufs, True, "inductor")
+    for buf, g in zip(bufs, want):
+        assert buf.dtype == torch.float32
+        torch.testing.assert_close(buf, g.float(), rtol=0, atol=0)
+    compiled.grouped_backward(gy, x, counts, *w, bufs, False, "inductor")
+    for buf, g in zip(bufs, want):
+        ref = g.float()
+        torch.testing.assert_close(buf, ref + g.float(), rtol=0, atol=0)
