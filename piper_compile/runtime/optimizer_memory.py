@@ -7,13 +7,14 @@ every parameter of a group at once, about the size of all parameters; ``fused`` 
 runs is piper's choice (``runtime/optimizer.build_optimizer``: fused where known correct) or the user's.
 
 :class:`Allocations` measures it: the bytes of tensors made while it is active, at their peak (a torch
-dispatch mode; the runtime measures the first updates of a run with it, ``memory_report``'s
-``optimizer_step``). :func:`step_transient` predicts it for the memory plan without hand-written rules per
-optimizer: the optimizer, built as the run would build it (same class, hyperparameters and
-implementation), steps on two sets of small scratch parameters under :class:`Allocations`, and the two
-peaks give ``a * largest + b * total`` bytes (``a``: the per-tensor temporaries, ``b``: the all-at-once
-ones), which then applies to the rank's own tensors. Any optimizer, including third-party ones, is
-measured the same way.
+dispatch mode; the runtime measures the second update of a run with it, the first also making the
+state: ``memory_report``'s ``optimizer_step``). :func:`step_transient` predicts it for the memory plan
+without hand-written rules per optimizer: the optimizer, built as the run would build it (same class,
+hyperparameters and implementation), steps on three sets of small scratch parameters under
+:class:`Allocations`, and their peaks fit ``max_i (p * t[i-1] + c * t[i]) + b * sum(t)`` bytes over the
+tensors ``t`` it updates (``c``: temporaries of the tensor being updated, ``p``: of the one before, still
+held; ``b``: of every tensor at once), which then applies to the rank's own tensors. Any optimizer,
+third-party ones included, is measured the same way.
 """
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def implementation(factory: Callable[..., Any], device_type: str, dtype: torch.d
     from piper_compile.runtime.optimizer import fused_is_correct
 
     kw = factory.keywords if isinstance(factory, functools.partial) else {}
-    if kw.get("fused") or kw.get("foreach") is not None:
-        return {"fused": bool(kw.get("fused")), "foreach": bool(kw.get("foreach"))}
+    if "fused" in kw or "foreach" in kw:  # as build_optimizer: built as given (None: torch's default)
+        fused, foreach = bool(kw.get("fused")), kw.get("foreach")
+        return {"fused": fused, "foreach": not fused and (device_type == "cuda" if foreach is None else bool(foreach))}
     cls = getattr(factory, "func", factory)
     if knob("PIPER_FUSED_OPTIMIZER") and isinstance(cls, type) and \
             fused_is_correct(factory, cls, torch.device(device_type), dtype):

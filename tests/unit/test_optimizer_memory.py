@@ -61,6 +61,9 @@ def test_the_implementation_is_the_one_the_run_builds(monkeypatch: pytest.Monkey
     assert implementation(adamw, "cpu", torch.float32) == {"fused": True, "foreach": False}
     assert implementation(adamw, "cpu", torch.bfloat16) == {"fused": False, "foreach": False}
     assert implementation(functools.partial(torch.optim.AdamW, foreach=True), "cpu", torch.float32)["foreach"]
+    assert implementation(functools.partial(torch.optim.AdamW, fused=False), "cpu", torch.float32) == \
+        {"fused": False, "foreach": False}  # chosen by the factory: built as given, torch's default
+    assert implementation(functools.partial(torch.optim.AdamW, foreach=None), "cuda", torch.float32)["foreach"]
     assert implementation(torch.optim.Adagrad, "cuda", torch.float32) == {"fused": False, "foreach": True}
     monkeypatch.setenv("PIPER_FUSED_OPTIMIZER", "0")
     assert implementation(adamw, "cpu", torch.float32) == {"fused": False, "foreach": False}
