@@ -5,8 +5,9 @@ Rows come grouped by local expert (``counts[e]`` rows for expert ``e``), and the
 step, so the grouped computation cannot be one static graph. How each codegen computes it:
 
 - CUDA with Triton: piper's grouped Triton kernels (``nn/triton_experts.py``), one launch for every expert.
-- ``codegen="inductor"`` elsewhere: per expert, Inductor's code for that expert's rows, compiled once for
-  every row count (``torch.compile(dynamic=True)``). The SwiGLU's ``silu * up`` and the backward's
+- ``codegen="inductor"`` elsewhere: per expert, Inductor's code for that expert's rows, traced once with
+  a symbolic row count (``make_fx`` on fake inputs of a ``ShapeEnv``), so no routing recompiles it
+  (``torch.compile(dynamic=True)`` recompiled on 0/1 row counts and on view offsets). The SwiGLU's ``silu * up`` and the backward's
   elementwise chain run as fused kernels, and the backward writes the weight gradients into their buffers
   itself (overwriting on the step's first write, else adding), as compiled segments do
   (``codegen/accumulate.py``).
@@ -161,9 +162,16 @@ def grouped_backward(gy: torch.Tensor, x: torch.Tensor, counts: list[int], wg: t
                      wd: torch.Tensor, acc: Grads | None, overwrite: bool, codegen: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input gradient, weight gradients) of :func:`grouped_forward`; with ``acc`` (the gradient buffers)
-    the weight gradients are written into them (over their contents when ``overwrite``) and returned;
-    buffers of another dtype than the weights' only where :func:`compiles`."""
+    the weight gradients are written into them (over their contents when ``overwrite``) and returned.
+    Buffers of another dtype than the weights' (mixed precision: fp32) are written by Inductor's code;
+    the reference and the Triton kernels return the gradients, which are then copied or added in, as
+    ``GradBuffers.accumulate`` would."""
     fns = _compiled(x, wg, wd, codegen, acc[0].dtype if acc is not None else None)
+    if fns is None and acc is not None and acc[0].dtype != wg.dtype:
+        gx, *grads = reference.grouped_swiglu_backward(gy, x, counts, wg, wu, wd)
+        for buf, g in zip(acc, grads):
+            buf.copy_(g) if overwrite else buf.add_(g)
+        return gx, *acc
     if fns is None:
         return reference.grouped_swiglu_backward(gy, x, counts, wg, wu, wd, acc, overwrite)
     if acc is None:  # fresh gradients: an expert without rows keeps zeros

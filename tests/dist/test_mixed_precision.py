@@ -100,8 +100,8 @@ def test_v_schedules_bf16(schedule: str):
 def test_ep2_bf16(codegen):
     """Expert parallel: tokens cross ranks in bf16, experts computed in bf16, their gradients in fp32.
     SGD: routing is discrete, see test_expert_parallel. Under Inductor the compiled experts write their
-    bf16 weight gradients into the fp32 buffers themselves (codegen/experts.py); eagerly they are
-    returned and added by the runtime."""
+    bf16 weight gradients into the fp32 buffers themselves (codegen/experts.py); eagerly the reference's
+    gradients are copied or added in after it."""
     cfg = RunConfig(model="moe", model_kwargs={"experts": 4}, local_batch=4, steps=3, mixed_precision=BF16,
                     directives=[piper.split(2), piper.replicate(), piper.shard({"EP": 0})], codegen=codegen)
     # An expert's weight gradient is one bf16 matmul over the rows both replicas sent it, where the

@@ -107,3 +107,19 @@ def test_low_precision_gradients_are_written_into_fp32_buffers_as_the_runtime_wo
     for buf, g in zip(bufs, want):
         ref = g.float()
         torch.testing.assert_close(buf, ref + g.float(), rtol=0, atol=0)
+
+
+def test_the_reference_path_adds_low_precision_gradients_into_fp32_buffers_too() -> None:
+    """codegen='eager' (and the Triton kernels) cannot write bf16 gradients into fp32 buffers themselves:
+    ``grouped_backward`` copies, then adds, what the reference returns."""
+    counts = [2, 5, 0, 3]
+    w = tuple(t.to(torch.bfloat16) for t in _weights(7))
+    x, gy = (t.to(torch.bfloat16) for t in _rows(counts, 8))
+    gx, *want = reference.grouped_swiglu_backward(gy, x, counts, *w)
+    bufs = tuple(torch.full(t.shape, float("nan"), dtype=torch.float32) for t in w)
+    got_x, *got = compiled.grouped_backward(gy, x, counts, *w, bufs, True, "eager")
+    torch.testing.assert_close(got_x, gx, rtol=0, atol=0)
+    assert all(a is b for a, b in zip(got, bufs))
+    compiled.grouped_backward(gy, x, counts, *w, bufs, False, "eager")
+    for buf, g in zip(bufs, want):
+        torch.testing.assert_close(buf, g.float() + g.float(), rtol=0, atol=0)

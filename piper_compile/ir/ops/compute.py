@@ -89,15 +89,10 @@ class ExpertStep(Local):
     def compute(self, rt: Any, ins: "Instr", inputs: list[Any]) -> list[Any]:
         import torch
 
-        from piper_compile.codegen.experts import compiles
         from piper_compile.runtime import expert
 
         acc, overwrite = None, False
-        # w_gate, w_up, w_down in order. Under mixed precision only Inductor's code writes the bf16
-        # gradients into the fp32 buffers; the reference and Triton return them, and they are accumulated
-        # like every other gradient
-        if self.accumulate and rt.grads is not None and (
-                not rt.state.precision.active or (self.role == "experts" and compiles(inputs[2], rt.ex.codegen))):
+        if self.accumulate and rt.grads is not None:  # w_gate, w_up, w_down, in their buffers' dtype
             acc, overwrite = rt.grads.claim(f for _, f in self.grads)
         if self.role == "experts":  # piper.stats: the grouped SwiGLU's matmuls on the rows this rank received
             rt.stats.expert_flops += expert.swiglu_flops(inputs, self.forward)
