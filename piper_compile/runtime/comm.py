@@ -27,7 +27,8 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 class Staged:
     """A staged operation's work: waiting for it waits for gloo's work on the host buffers, then copies
-    the received host buffers back into the device tensors (once)."""
+    the received host buffers back into the device tensors (once). Also a work whose result is a copy
+    of part of what it wrote (``reduce_scatter_consuming``)."""
 
     def __init__(self, work: Any, copy_back: list[tuple[torch.Tensor, torch.Tensor]],
                  keep: list[torch.Tensor] | None = None) -> None:
