@@ -176,10 +176,8 @@ def tokens_per_sample(cs: Any, symbols: dict[str, int]) -> int:
 def metrics_of(cs: Any) -> StepMetrics:
     """The metrics of ``cs``'s last training step on this rank."""
     stats = cs.plans[False].executor.stats
-    seconds = stats.seconds
-    if stats.events is not None:
-        stats.events[1].synchronize()
-        seconds = stats.events[0].elapsed_time(stats.events[1]) / 1e3
+    device_s = stats.device_seconds()
+    seconds = stats.seconds if device_s is None else device_s
     flops, note = step_flops(cs, stats.symbols)
     flops += stats.expert_flops
     dtype = cs.state.precision.param_dtype or next(iter(cs.joint.params.values())).dtype

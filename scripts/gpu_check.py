@@ -3,6 +3,7 @@ prints the summary table. Exit status 1 if any check failed."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,17 +30,26 @@ def _env_row() -> Row:
 
 
 def _pytest(paths: list[str], out: Path, name: str, timeout: int) -> list[Row]:
-    """Run pytest on ``paths``; one row per test case from its JUnit XML."""
-    xml = out / f"{name}.xml"
+    """Run pytest on ``paths``; one row per test case from its JUnit XML. The log is written as pytest
+    runs (``-v``: one line per case), so a run stopped at its time limit still shows which cases ended."""
+    xml, log = out / f"{name}.xml", out / f"{name}.log"
+    # a hang is a failure with a place, not the end of the device time: piper's waits give up after
+    # PIPER_TIMEOUT seconds naming the instruction, pytest-timeout (where installed) ends a stuck case
+    per_case = ["--timeout=150"] if importlib.util.find_spec("pytest_timeout") else []
+    env = {**os.environ, "PIPER_TIMEOUT": os.environ.get("PIPER_TIMEOUT", "120")}
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                               *paths], cwd=ROOT, timeout=timeout, capture_output=True, text=True)
-        (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    except subprocess.TimeoutExpired:
-        return [(name, "FAIL", f"timed out after {timeout}s", time.perf_counter() - t0)]
+    with log.open("w") as f:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider",
+                                   *per_case, f"--junitxml={xml}", *paths], cwd=ROOT, timeout=timeout, stdout=f,
+                                  stderr=subprocess.STDOUT, text=True, env=env)
+        except subprocess.TimeoutExpired:
+            ended = [ln for ln in log.read_text().splitlines() if ln.endswith(("PASSED", "FAILED", "SKIPPED"))
+                     or " PASSED " in ln or " FAILED " in ln]
+            return [(name, "FAIL", f"timed out after {timeout}s; ended before: {'; '.join(ended)[-400:]}",
+                     time.perf_counter() - t0)]
     if not xml.exists():
-        return [(name, "FAIL", f"pytest wrote no report (exit {proc.returncode}): {proc.stdout[-300:]}", 0.0)]
+        return [(name, "FAIL", f"pytest wrote no report (exit {proc.returncode}): {log.read_text()[-300:]}", 0.0)]
     rows = []
     for case in ET.parse(xml).iter("testcase"):
         status, detail = "PASS", ""
@@ -55,15 +65,17 @@ def _pytest(paths: list[str], out: Path, name: str, timeout: int) -> list[Row]:
 def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
     args = ["--out", str(out)] + ([] if gpu else ["--preset", "tiny", "--codegen", "eager", "--steps", "3"])
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "benchmarks/bench_gpu.py", *args], cwd=ROOT, timeout=timeout,
-                              capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        return [("bench_gpu", "FAIL", f"timed out after {timeout}s", time.perf_counter() - t0)]
+    log = out / "bench_gpu.log"
+    with log.open("w") as f:
+        try:
+            proc = subprocess.run([sys.executable, "benchmarks/bench_gpu.py", *args], cwd=ROOT, timeout=timeout,
+                                  stdout=f, stderr=subprocess.STDOUT, text=True)
+        except subprocess.TimeoutExpired:
+            return [("bench_gpu", "FAIL", f"timed out after {timeout}s: {log.read_text()[-300:]}",
+                     time.perf_counter() - t0)]
     secs = time.perf_counter() - t0
-    (out / "bench_gpu.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        return [("bench_gpu", "FAIL", (proc.stderr or proc.stdout).strip().splitlines()[-1][:200], secs)]
+        return [("bench_gpu", "FAIL", log.read_text().strip().splitlines()[-1][:200], secs)]
     r = json.loads((out / "bench_gpu.json").read_text())
     p, q = r["piper"], r["peer"]
     what = "bench_gpu (350M bf16, piper vs torch.compile)" if gpu else "bench_gpu (CPU smoke: tiny, eager)"
@@ -112,12 +124,13 @@ def main() -> int:
     gpu = torch.cuda.is_available() and not args.quick
     rows = [_env_row()]
     if gpu:
-        rows += _pytest(["tests/gpu"], out, "tests_gpu", timeout=360)
+        rows += _pytest(["tests/gpu"], out, "tests_gpu", timeout=int(os.environ.get("PIPER_GPU_TESTS_S", 360)))
+        print(table(rows), flush=True)
     else:
         why = "--quick" if args.quick else "no CUDA device (torch.cuda.is_available() is False)"
         rows.append(("tests/gpu (single GPU, ranks sharing a GPU, Triton kernel, bf16)", "SKIP", why, 0.0))
         rows.append(_staging_smoke())
-    rows += _bench(out, gpu, timeout=300 if gpu else 240)
+    rows += _bench(out, gpu, timeout=int(os.environ.get("PIPER_GPU_BENCH_S", 300 if gpu else 240)))
     text = table(rows)
     print(text)
     (out / "gpu_check.md").write_text(text + "\n")

@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from piper_compile.capture.cache import exported
 from piper_compile.errors import PiperCaptureError
+from piper_compile.ir.dims import dim_value
 
 PARAM, BUFFER, INPUT, SYM, TANGENT = "param", "buffer", "input", "sym", "tangent"
 TANGENT_VALUE = "tangent"
@@ -316,10 +316,4 @@ def _mark_batched(gm: fx.GraphModule, specs: list[InputSpec], final_specs: list[
 
 def eval_sym(expr: str | int, values: dict[str, int]) -> int:
     """Evaluate a SymInt expression string with symbol values."""
-    if isinstance(expr, int):
-        return expr
-    if expr.lstrip("-").isdigit():
-        return int(expr)
-    expr = expr.replace(";", ",")
-    e = sympy.sympify(expr, locals={k: sympy.Symbol(k) for k in values})
-    return int(e.subs({sympy.Symbol(k): v for k, v in values.items()}))
+    return dim_value(expr, values)

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from piper_compile.capture.joint import JointGraph, eval_sym
 from piper_compile.errors import PiperRuntimeError
@@ -54,6 +55,13 @@ class SideStream:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
+def device_waits(device: torch.device) -> bool:
+    """Whether waiting for a communication only orders the device's streams (NCCL on CUDA) rather than
+    blocking the host until it completes (gloo, also for CUDA tensors staged through host memory on a
+    shared GPU): those host waits get ``options["timeout"]`` and a message naming the instruction."""
+    return device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
 def side_stream_for(device: torch.device, enabled: bool) -> SideStream | None:
     """The overlap slots' second stream: CUDA only (on CPU one host thread computes; the communication
     of one step is in flight while the other runs)."""
@@ -76,6 +84,7 @@ class Executor:
         self.m = microbatches
         self.loss_group = loss_group
         self.timeout_s = timeout_s
+        self.device_waits = device_waits(state.device)
         self.forward_only = forward_only
         self.rank = program.rank
         self.specs = {s.value: s for s in joint.inputs}
@@ -203,7 +212,7 @@ class Executor:
             finish()
 
     def _block(self, work: Any, ins: Instr, pos: int) -> None:
-        if self.state.device.type == "cuda":
+        if self.device_waits:
             # NCCL: wait() only makes the compute stream wait (no host block); the communicator's own
             # timeout (set from options["timeout"] when the group was created) aborts a stuck op.
             work.wait()

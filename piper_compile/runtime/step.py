@@ -47,6 +47,22 @@ class StepStats:
     expert_flops: int = 0  # expert-parallel experts steps (outside segment graphs: counted as they run)
     symbols: dict[str, int] = field(default_factory=dict)  # the step's size symbols (FLOP counts read them)
     events: tuple[Any, Any] | None = None  # CUDA: events at the step's start and end (device step time)
+    device_s: float | None = None  # the device time between them, once read (``device_seconds``)
+
+    def device_seconds(self) -> float | None:
+        """CUDA: the device's time for the step, between its start and end events (waits for the end
+        event, then keeps the figure and drops the events); None on a host device."""
+        if self.events is not None:
+            self.events[1].synchronize()
+            self.device_s = self.events[0].elapsed_time(self.events[1]) / 1e3
+            self.events = None
+        return self.device_s
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a test's rank returns it to the launcher): CUDA events are not, so their time is
+        read first."""
+        self.device_seconds()
+        return dict(self.__dict__)
 
 
 def _split_mb(name: str) -> tuple[str, int | None]:

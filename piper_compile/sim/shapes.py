@@ -9,7 +9,7 @@ import sympy
 import torch
 
 from piper_compile.ir.dag import Kind, TrainingDAG
-from piper_compile.ir.dims import parse_dim
+from piper_compile.ir.dims import dim_value
 
 
 def _hints(val: Any, out: dict[str, int], envs: set[int]) -> None:
@@ -53,17 +53,8 @@ def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> 
 
 def concrete(dim: Any, symbols: dict[str, int]) -> int:
     """A dimension (int, SymInt or expression string such as ``"s95*s75"``) at the given symbol values."""
-    if isinstance(dim, int):
-        return dim
-    if isinstance(dim, torch.SymInt):
-        expr = dim.node.expr
-    else:
-        text = str(dim)
-        if text.lstrip("-").isdigit():
-            return int(text)
-        expr = parse_dim(text)
-    # by name: the shape environment's symbols carry assumptions (integer, positive) that Symbol(k) lacks
-    return int(expr.xreplace({s: symbols[s.name] for s in expr.free_symbols if s.name in symbols}))
+    return dim_value(dim.node.expr if isinstance(dim, torch.SymInt) else dim if isinstance(dim, int) else str(dim),
+                     symbols)
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import io
 import os
 import queue as queue_mod
@@ -87,6 +88,7 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         os.close(fd)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs, when the launcher asks (run_local)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -192,6 +194,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     try:
         try:
             _collect(procs, queue, results, errors, timeout_s, logs, dies)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{_stacks(procs, results, logs)}") from None
         finally:
             for r, p in enumerate(procs):
                 p.join(timeout=5 if errors or len(results) < world_size else 60)
@@ -216,6 +220,15 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     if errors:
         raise RuntimeError("piper: a rank failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _stacks(procs: list[Any], results: dict[int, Any], logs: "_StderrCopier") -> str:
+    """The Python stacks of every rank still running (each dumps its threads to its stderr on SIGUSR1)."""
+    running = [r for r, p in enumerate(procs) if r not in results and p.is_alive()]
+    for r in running:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    return "\n".join(f"--- rank {r}: where it was ---\n{logs.tail(r, 60)}" for r in running)
 
 
 def _collect(procs: list[Any], queue: Any, results: dict[int, Any], errors: list[str], timeout_s: float,

@@ -215,7 +215,7 @@ class ComputeCopy:
         with torch.no_grad():
             for c, m in self._pairs():
                 c.copy_(m)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=batch[0].device)
         n = batch[0].shape[0]
         per_replica: list[list[torch.Tensor | None]] = []
         for k, rows in enumerate(torch.arange(n).chunk(self.chunks)):  # as piper splits: replicas, micro-batches
@@ -225,7 +225,7 @@ class ComputeCopy:
                 c.grad = None
             loss = self.copy(*(self.precision.cast_input(t[rows]) for t in batch))
             weight = len(rows) / n  # the micro-batch's share of the global mean, seeded in the compute dtype
-            loss.backward(torch.full((), weight * scale, dtype=loss.dtype))
+            loss.backward(torch.full((), weight * scale, dtype=loss.dtype, device=loss.device))
             total += weight * loss.detach().double()
             acc = per_replica[-1]
             for j, (c, m) in enumerate(self._pairs()):  # summed in fp32

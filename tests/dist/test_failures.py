@@ -7,6 +7,7 @@ import atexit
 import functools
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -183,3 +184,20 @@ def test_rank_death_survivors_exit_naming_the_dead_rank(strategy: str, point: st
         assert o.status == "exit code 1", o
         assert o.message.startswith("piper: rank 0:"), o
         assert "[1] never reached piper's setup" in o.message or "peer rank 1 closed" in o.message, o
+
+
+def _stuck_in_a_wait(rank: int, world: int) -> int:
+    if rank == 1:
+        return rank
+    threading.Event().wait(120)  # a wait that never ends (as a receive whose peer never sends)
+    return rank
+
+
+def test_run_local_timeout_shows_where_each_running_rank_is():
+    """A hung run says where: the ranks still running dump their threads' stacks (SIGUSR1, faulthandler)
+    into the error (the GPU check's hang showed only the launcher's own stack)."""
+    with pytest.raises(TimeoutError) as info:
+        run_local(_stuck_in_a_wait, 2, timeout_s=3)
+    text = str(info.value)
+    assert "--- rank 0: where it was ---" in text and "_stuck_in_a_wait" in text, text
+    assert "rank 1: where" not in text  # it reported

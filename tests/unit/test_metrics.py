@@ -165,3 +165,36 @@ def test_vit_with_labels_does_not_capture_again_at_step_two():
     said = [str(w.message) for w in caught if "compiles the piper step again" in str(w.message)]
     assert len(said) == 1 and "problem_type" in said[0] and "reuses" in said[0], said
     assert len(piper.compiled_steps(step)) == 1 and model.model.config.problem_type == "single_label_classification"
+
+
+class _TimedEvent:
+    """Stands in for ``torch.cuda.Event`` (no CUDA here): records a time, cannot be pickled."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms, self.synced = ms, False
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+    def elapsed_time(self, end: "_TimedEvent") -> float:
+        return end.ms - self.ms
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle 'Event' object")
+
+
+def test_step_stats_with_device_events_pickle_with_the_device_time():
+    """A rank's StepStats travel to the launcher (run_local pickles them): the CUDA events are read into
+    ``device_s`` first (the GPU check failed with "cannot pickle 'Event' object")."""
+    import io
+
+    from piper_compile.runtime.step import StepStats
+
+    start, end = _TimedEvent(10.0), _TimedEvent(35.0)
+    stats = StepStats(seconds=0.5, events=(start, end))
+    buf = io.BytesIO()
+    torch.save(stats, buf)
+    back = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert end.synced and back.events is None and back.device_s == pytest.approx(0.025)
+    assert back.device_seconds() == pytest.approx(0.025) and back.seconds == 0.5
+    assert StepStats(seconds=0.5).device_seconds() is None
