@@ -5,6 +5,9 @@ GPT with the same optimizer, in bf16 with fp32 master weights.
            optimizer=AdamW): a bf16 compute copy, M micro-batches, gradients accumulated in fp32
     peer   torch.compile(model) under torch.autocast(bf16) on the whole batch, fp32 parameters,
            loss.backward(); AdamW.step() (the usual AMP recipe)
+    accum  the same torch.compile peer accumulating gradients over the same M micro-batches (each loss
+           scaled by 1/M): the cost of micro-batching itself (M times the host's kernel launches for
+           the same work), which piper's ratio against ``peer`` includes
 
 Both use the AdamW piper builds (``runtime/optimizer.build_optimizer``: fused where that updates like the
 default). Per variant: median step time of ``--steps`` timed steps after ``--warmup`` (the device is
@@ -103,18 +106,25 @@ def run_piper(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tenso
     return out
 
 
-def run_peer(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tensor, ...], device: torch.device) -> dict:
+def run_peer(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tensor, ...], device: torch.device,
+             microbatches: int = 1) -> dict:
+    """torch.compile's step on the whole batch, or with ``microbatches`` > 1 accumulating the gradients of
+    that many slices (each loss scaled by 1/M), as a user of torch.compile micro-batches."""
     model = _model(cfg, device)
     opt = build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-4), list(model.parameters()))
     compiled = torch.compile(model, backend="inductor" if args.codegen == "inductor" else "aot_eager")
+    slices = list(zip(*(t.chunk(microbatches) for t in batch)))
 
     def step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = compiled(*batch)
-        loss.backward()
+        total = torch.zeros((), device=device)
+        for part in slices:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = compiled(*part) / microbatches
+            loss.backward()
+            total += loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return total
 
     _reset_peak(device)
     first, median = _time(step, device, args.warmup, args.steps)
@@ -138,19 +148,23 @@ def main(argv: list[str] | None = None) -> dict:
     nparams = sum(p.numel() for p in GPT(cfg).parameters())
     peer = run_peer(cfg, args, batch, device)
     torch._dynamo.reset()
+    accum = run_peer(cfg, args, batch, device, args.microbatches) if args.microbatches > 1 else peer
+    torch._dynamo.reset()
     mine = run_piper(cfg, args, batch, device)
     peak, source = peak_tflops(device, torch.bfloat16)
     tokens = args.batch * cfg.seq
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "params": nparams, "tokens_per_step": tokens, "peak_tflops": peak, "peak_source": source,
-              "piper": mine, "peer": peer, "ratio": mine["step_s"] / peer["step_s"]}
-    for r in (mine, peer):
+              "piper": mine, "peer": peer, "ratio": mine["step_s"] / peer["step_s"],
+              "peer_accum": accum, "ratio_accum": mine["step_s"] / accum["step_s"]}
+    for r in (mine, peer, accum):
         r["tokens_per_s"] = tokens / r["step_s"]
         r["mfu"] = mine["flops"] / r["step_s"] / 1e12 / peak if peak else 0.0
     print(f"bench_gpu {args.preset} ({nparams / 1e6:.0f}M params, {result['device']}, bf16, batch {args.batch} x "
           f"{cfg.seq}, {args.microbatches} micro-batches): piper {mine['step_s'] * 1e3:.1f} ms  torch.compile "
           f"{peer['step_s'] * 1e3:.1f} ms  ratio piper/peer {result['ratio']:.3f}  (throughput "
-          f"{1 / result['ratio']:.3f}x)  tok/s {mine['tokens_per_s']:,.0f} vs {peer['tokens_per_s']:,.0f}  MFU "
+          f"{1 / result['ratio']:.3f}x); against torch.compile accumulating the same {args.microbatches} micro-batches "
+          f"{accum['step_s'] * 1e3:.1f} ms, ratio {result['ratio_accum']:.3f}  tok/s {mine['tokens_per_s']:,.0f} vs {peer['tokens_per_s']:,.0f}  MFU "
           f"{100 * mine['mfu']:.1f}% vs {100 * peer['mfu']:.1f}%  peak mem {mine['peak_bytes'] / 2**30:.2f} vs "
           f"{peer['peak_bytes'] / 2**30:.2f} GiB", flush=True)
     if args.out:

@@ -79,7 +79,8 @@ def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
     r = json.loads((out / "bench_gpu.json").read_text())
     p, q = r["piper"], r["peer"]
     what = "bench_gpu (350M bf16, piper vs torch.compile)" if gpu else "bench_gpu (CPU smoke: tiny, eager)"
-    detail = (f"ratio piper/peer {r['ratio']:.3f}; tok/s {p['tokens_per_s']:,.0f} vs {q['tokens_per_s']:,.0f}; "
+    detail = (f"ratio piper/peer {r['ratio']:.3f} (vs the peer accumulating the same micro-batches "
+              f"{r['ratio_accum']:.3f}); tok/s {p['tokens_per_s']:,.0f} vs {q['tokens_per_s']:,.0f}; "
               f"MFU {100 * p['mfu']:.1f}% vs {100 * q['mfu']:.1f}% of {r['peak_tflops']:.3g} TFLOP/s "
               f"({r['peak_source']}); peak {p['peak_bytes'] / 2**30:.2f} vs {q['peak_bytes'] / 2**30:.2f} GiB; "
               f"trace {'yes' if Path(p.get('trace', '')).exists() else 'no'}")

@@ -94,6 +94,7 @@ class Executor:
         self.stats = StepStats()
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
+        self._handover: dict[str, tuple[str, ...]] = {}  # compute step -> inputs it reads last (``compute``)
         norm = next((i.node.op for i in program.instrs if isinstance(i.node.op, NormReduce)), None)
         self.max_norm = norm.max_norm if norm is not None else 0.0  # options["clip_grad_norm"]
         self.update = program.update_node()
@@ -246,8 +247,8 @@ class Executor:
         stored and counted, its loss and gradients accumulated."""
         n = ins.node
         inputs = [step.get(v) for v in n.inputs]
-        for v in ins.frees if release else ():  # last use: the segment may free it once done with it
-            if v in step.env and v in n.inputs and v not in n.outputs:
+        for v in self._handed_over(ins) if release else ():  # last use: the segment may free it once done with it
+            if v in step.env:
                 step.released[v] = _nbytes(step.env.pop(v))  # still counted live until the instruction ends
         outs = n.op.compute(step, ins, inputs)  # type: ignore[attr-defined]
         del inputs
@@ -266,6 +267,14 @@ class Executor:
                 if step.env[v] is not None:  # None: the step accumulated it itself
                     self.grads.accumulate(fqn, step.env[v])
             step.note_grad_bytes()
+
+    def _handed_over(self, ins: Instr) -> tuple[str, ...]:
+        """The inputs of compute step ``ins`` read there for the last time (not also its outputs)."""
+        got = self._handover.get(ins.node.name)
+        if got is None:
+            inputs, outputs = set(ins.node.inputs), set(ins.node.outputs)
+            got = self._handover[ins.node.name] = tuple(v for v in ins.frees if v in inputs and v not in outputs)
+        return got
 
     def run(self, args: list[Any], check: CallCheck) -> torch.Tensor:
         """One step on this rank. ``check`` (started by the caller) is resolved before the step's first
