@@ -15,6 +15,7 @@ from piper_compile.ir.ops import Update
 from piper_compile.ir.shard import ParamShard
 from piper_compile.precision import Precision
 from piper_compile.runtime import comm
+from piper_compile.runtime.compute_copies import ComputeCopies
 from piper_compile.runtime.loss_scale import LossScaler
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
@@ -56,7 +57,7 @@ class TrainState:
         self.from_module = False  # made by the API for a module before its first call
         self.calls = 0  # collective calls of this model's steps so far (the call check compares them)
         self.precision = Precision()  # options["mixed_precision"]: the compute copies' dtype
-        self._copies: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}  # fqn -> (source version, copy)
+        self._copies = ComputeCopies()  # mixed precision: each parameter's copy in param_dtype
         self.updates = 0  # optimizer steps so far (a compute copy made before the last one is stale)
         self.optimizer_step_bytes = 0  # bytes of temporaries the MEASURED_UPDATE held at once
         self.scaler: LossScaler | None = None  # fp16: dynamic loss scaling (runtime/loss_scale.py)
@@ -145,17 +146,11 @@ class TrainState:
         t = self.local_param(fqn, full)
         if not self.precision.active or not t.is_floating_point():
             return t
-        key = (self.updates, t._version, t.data_ptr())
-        have = self._copies.get(fqn)
-        if have is not None and have[0] == key:
-            return have[1]
-        copy = t.detach().to(self.precision.compute(t))
-        self._copies[fqn] = (key, copy)
-        return copy
+        return self._copies.get(fqn, t, self.precision.compute(t), self.updates)
 
     def compute_copies(self) -> list[torch.Tensor]:
         """Mixed precision: the compute copies held now (``compute_param``)."""
-        return [t for _, t in self._copies.values()]
+        return self._copies.held()
 
     def local_params(self) -> dict[str, nn.Parameter]:
         """Every local shard (expert and tensor parallel) by FQN."""
