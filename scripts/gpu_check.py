@@ -35,8 +35,8 @@ def _pytest(paths: list[str], out: Path, name: str, timeout: int) -> list[Row]:
     xml, log = out / f"{name}.xml", out / f"{name}.log"
     # a hang is a failure with a place, not the end of the device time: piper's waits give up after
     # PIPER_TIMEOUT seconds naming the instruction, pytest-timeout (where installed) ends a stuck case
-    per_case = ["--timeout=150"] if importlib.util.find_spec("pytest_timeout") else []
-    env = {**os.environ, "PIPER_TIMEOUT": os.environ.get("PIPER_TIMEOUT", "120")}
+    per_case = ["--timeout=100"] if importlib.util.find_spec("pytest_timeout") else []
+    env = {**os.environ, "PIPER_TIMEOUT": os.environ.get("PIPER_TIMEOUT", "45")}
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
