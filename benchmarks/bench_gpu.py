@@ -79,6 +79,32 @@ def _time(step: Callable[[], Any], device: torch.device, warmup: int, steps: int
     return first, statistics.median(times)
 
 
+def _device_busy(step: Callable[[], Any], device: torch.device) -> dict:
+    """One more step under ``torch.profiler``: its wall time, and on CUDA how long the device was busy
+    (the union of its kernels' and copies' intervals) and how many it ran. A step whose device is busy
+    for a small part of its time is bound by the host issuing its kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    _sync(device)
+    try:  # a measurement beside the benchmark's: a profiler failure must not cost its figures
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            wall = time.perf_counter() - t0
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON
+        return {"profiled_s": None, "device_busy_s": None, "device_ops": 0, "profile_error": f"{type(e).__name__}: {e}"[:300]}
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy, end = busy + hi - max(lo, end), hi
+    return {"profiled_s": wall, "device_busy_s": busy / 1e6 if cuda else None, "device_ops": len(spans)}
+
+
 def _model(cfg: GPTConfig, device: torch.device) -> GPT:
     torch.manual_seed(0)
     return GPT(cfg).to(device)
@@ -93,7 +119,7 @@ def run_piper(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tenso
     first, median = _time(lambda: step(*batch), device, args.warmup, args.steps)
     metrics = piper.stats(step)
     out = {"first_s": first, "step_s": median, "peak_bytes": _peak_bytes(device), "flops": metrics.flops,
-           "loss": float(step(*batch))}
+           "loss": float(step(*batch).detach()), **_device_busy(lambda: step(*batch), device)}
     if args.out:  # one more step with the recorder on: its Perfetto trace
         from piper_compile.runtime.trace import Recorder, flush_traces
 
@@ -128,7 +154,17 @@ def run_peer(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tensor
 
     _reset_peak(device)
     first, median = _time(step, device, args.warmup, args.steps)
-    return {"first_s": first, "step_s": median, "peak_bytes": _peak_bytes(device), "loss": float(step().detach())}
+    return {"first_s": first, "step_s": median, "peak_bytes": _peak_bytes(device), "loss": float(step().detach()),
+            **_device_busy(step, device)}
+
+
+def _busy_text(mine: dict, peer: dict, accum: dict) -> str:
+    """``  device busy: piper 41% of a profiled step (6,120 kernels and copies), ...`` (CUDA only)."""
+    if mine.get("device_busy_s") is None:
+        return ""
+    parts = [f"{name} {100 * r['device_busy_s'] / r['profiled_s']:.0f}% of a profiled step ({r['device_ops']:,} "
+             f"kernels and copies)" for name, r in (("piper", mine), ("torch.compile", peer), ("accumulating", accum))]
+    return "  device busy: " + ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -166,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{1 / result['ratio']:.3f}x); against torch.compile accumulating the same {args.microbatches} micro-batches "
           f"{accum['step_s'] * 1e3:.1f} ms, ratio {result['ratio_accum']:.3f}  tok/s {mine['tokens_per_s']:,.0f} vs {peer['tokens_per_s']:,.0f}  MFU "
           f"{100 * mine['mfu']:.1f}% vs {100 * peer['mfu']:.1f}%  peak mem {mine['peak_bytes'] / 2**30:.2f} vs "
-          f"{peer['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+          f"{peer['peak_bytes'] / 2**30:.2f} GiB{_busy_text(mine, peer, accum)}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         Path(args.out, "bench_gpu.json").write_text(json.dumps(result, indent=1))

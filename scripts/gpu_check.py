@@ -83,10 +83,18 @@ def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
               f"{r['ratio_accum']:.3f}); tok/s {p['tokens_per_s']:,.0f} vs {q['tokens_per_s']:,.0f}; "
               f"MFU {100 * p['mfu']:.1f}% vs {100 * q['mfu']:.1f}% of {r['peak_tflops']:.3g} TFLOP/s "
               f"({r['peak_source']}); peak {p['peak_bytes'] / 2**30:.2f} vs {q['peak_bytes'] / 2**30:.2f} GiB; "
-              f"trace {'yes' if Path(p.get('trace', '')).exists() else 'no'}")
+              f"trace {'yes' if Path(p.get('trace', '')).exists() else 'no'}{_busy(p, q)}")
     # the target on a GPU: piper's throughput at least 0.95x torch.compile's; the CPU smoke run only has to run
     verdict = "PASS" if not gpu or r["ratio"] <= 1 / 0.95 else "BELOW TARGET (>= 0.95x torch.compile throughput)"
     return [(what, verdict, detail, secs)]
+
+
+def _busy(p: dict, q: dict) -> str:
+    """The share of a profiled step the device was busy, piper vs the peer (CUDA only)."""
+    if p.get("device_busy_s") is None:
+        return ""
+    return (f"; device busy {100 * p['device_busy_s'] / p['profiled_s']:.0f}% ({p['device_ops']:,} ops) vs "
+            f"{100 * q['device_busy_s'] / q['profiled_s']:.0f}% ({q['device_ops']:,})")
 
 
 def _staging_smoke() -> Row:
