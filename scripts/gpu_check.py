@@ -44,8 +44,7 @@ def _pytest(paths: list[str], out: Path, name: str, timeout: int) -> list[Row]:
                                    *per_case, f"--junitxml={xml}", *paths], cwd=ROOT, timeout=timeout, stdout=f,
                                   stderr=subprocess.STDOUT, text=True, env=env)
         except subprocess.TimeoutExpired:
-            ended = [ln for ln in log.read_text().splitlines() if ln.endswith(("PASSED", "FAILED", "SKIPPED"))
-                     or " PASSED " in ln or " FAILED " in ln]
+            ended = [ln for ln in log.read_text().splitlines() if any(f" {w}" in ln for w in ("PASSED", "FAILED", "SKIPPED"))]
             return [(name, "FAIL", f"timed out after {timeout}s; ended before: {'; '.join(ended)[-400:]}",
                      time.perf_counter() - t0)]
     if not xml.exists():

@@ -53,8 +53,7 @@ def symbol_values(dag: TrainingDAG, overrides: dict[str, int] | None = None) -> 
 
 def concrete(dim: Any, symbols: dict[str, int]) -> int:
     """A dimension (int, SymInt or expression string such as ``"s95*s75"``) at the given symbol values."""
-    return dim_value(dim.node.expr if isinstance(dim, torch.SymInt) else dim if isinstance(dim, int) else str(dim),
-                     symbols)
+    return dim_value(dim.node.expr if isinstance(dim, torch.SymInt) else dim, symbols)
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:
