@@ -31,16 +31,18 @@ from piper_compile.directives.spec import (
 from piper_compile import metrics
 from piper_compile.memory import check_budget, plan_memory
 from piper_compile.errors import PiperDirectiveError, PiperError
-from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
+from piper_compile.ir.dag import Kind, TrainingDAG
 from piper_compile.ir.meta import PrecisionMeta
-from piper_compile.ir.ops import LossReduce, ParamGather
+from piper_compile.ir.ops import LossReduce
 from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.ir.shard import ParamShard
 from piper_compile.passes.build import build_dag
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.driver import run_passes
 from piper_compile.passes.graph import GraphContext, run_graph_passes
+from piper_compile.plan import residency
 from piper_compile.plan.program import Program, build_programs
+from piper_compile.plan.residency import Reads
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.runtime.consistency import (
     CallCheck, CallLayout, CallRecord, call_layout, fingerprint, local_calls, post_failure,
@@ -60,7 +62,7 @@ class Plan:
     executor: Executor
     fingerprint: int = 0  # of the DAG's text: equal on every rank that planned the same strategy
     layout: CallLayout | None = None  # what the call check needs (runtime/consistency.py)
-    reads: frozenset[str] = frozenset()  # the parameters this rank's program reads (must be resident)
+    reads: Reads = Reads()  # the parameters and buffers this rank's program reads (must be resident)
 
 
 @dataclass
@@ -318,15 +320,17 @@ class CompiledStep:
             groups = GroupRegistry(self.options.timeout_s)
             groups.ensure(group_keys(dag, self.world))
         assert self.state is not None and self.joint is not None
-        unread = _unread_params(dag, program)  # other pipeline stages' weights (with or without ZeRO)
+        # other pipeline stages' weights and buffers
+        unread = residency.unread(dag, programs, program, self.joint.buffers)
         self.state.ensure_zero(layout_of(program), self.joint.params, self.rank)
-        self.state.ensure_shards({f: s for f, s in self._shard_specs(dag).items() if f not in unread},
+        self.state.ensure_shards({f: s for f, s in self._shard_specs(dag).items() if f not in unread.params},
                                  self.joint.params, self.rank)
         if not forward_only:  # a forward-only program reads no more than the training one
-            self.state.release_unused(unread)
+            self.state.release_unused(unread.params, {f: self.joint.buffers[f] for f in unread.buffers})
         check_shared_parameters(self.state)
         executor = self._executor(program, groups, dag, forward_only)
-        self.plans[forward_only] = Plan(dag, programs, executor, bp.fingerprint, bp.layout, _read_params(program))
+        self.plans[forward_only] = Plan(dag, programs, executor, bp.fingerprint, bp.layout,
+                                    residency.reads_of(program))
         return self.plans[forward_only]
 
     def _compile_segments(self, program: Program) -> None:
@@ -449,7 +453,8 @@ class CompiledStep:
             if not self.state.broadcast_done:
                 self._first_values()
             self.state.shard()
-            _check_resident(plan.reads, self.state, self.rank, "training program" if train else "forward-only program")
+            residency.check_resident(plan.reads, self.state, self.rank,
+                                     "training program" if train else "forward-only program")
             self.state.ready(self)  # deferred checkpoint loads (piper_compile.checkpoint), before the step computes
             if first:  # every segment this rank runs, before it waits on a peer
                 precompile(self.compiled, self.joint.symbol_values(args, record.batch // plan.executor.m),
@@ -494,7 +499,7 @@ class CompiledStep:
             raise PiperError("piper: piper.local(): the model has not made a collective call yet (its first call "
                              "makes every replica start from rank 0's weights); call the step on every rank first")
         executor = self._local_executor()
-        _check_resident(_read_params(executor.program), self.state, self.rank, "piper.local() program")
+        residency.check_resident(residency.reads_of(executor.program), self.state, self.rank, "piper.local() program")
         bp = self.blueprint(True)
         record = CallRecord(self.state.index, bp.fingerprint, -1, self._local_batch(args), len(args), True)
         return executor.run(list(args), CallCheck.alone(record, bp.layout.microbatches))
@@ -535,37 +540,6 @@ def _only_loss_traffic(program: Program) -> bool:
 
 def _without_loss_reduce(program: Program) -> Program:
     return Program(program.rank, [i for i in program.instrs if not isinstance(i.node.op, LossReduce)])
-
-
-def _read_params(program: Program) -> frozenset[str]:
-    """The parameters an instruction of ``program`` reads, gathers (ZeRO-3) or updates."""
-    mine = {f for i in program.instrs for f in map(param_fqn, i.node.inputs) if f is not None}
-    upd = program.update_node()
-    mine |= set(upd.op.params) if upd is not None else set()  # type: ignore[attr-defined]
-    mine |= {f for i in program.instrs if isinstance(i.node.op, ParamGather) for f in i.node.op.params}
-    return frozenset(mine)
-
-
-def _unread_params(dag: TrainingDAG, program: Program) -> set[str]:
-    """Trained parameters that no instruction of ``program`` reads or updates: other pipeline stages'
-    weights (with or without ZeRO, data / tensor / expert parallel inside the stages alike). Parameters no
-    rank trains (frozen) are kept: nobody owns them to fetch them from."""
-    trained = {f for n in dag.of_kind(Kind.UPDATE) for f in n.op.params}  # type: ignore[attr-defined]
-    return trained - _read_params(program)
-
-
-def _check_resident(reads: frozenset[str], state: TrainState, rank: int, what: str) -> None:
-    """Raise if ``what`` (a program of this rank) reads a parameter this rank released (another pipeline
-    stage's weight, given back after the training plan): it would compute with a tensor that has no
-    storage. A released expert / tensor-parallel weight is fine: programs read this rank's piece."""
-    missing = sorted((reads & state.released) - set(state.shards))
-    if missing:
-        more = f", ... ({len(missing)} in all)" if len(missing) > 4 else ""
-        raise PiperError(
-            f"piper: rank {rank}'s {what} reads {', '.join(missing[:4])}{more}, which this rank released after "
-            "planning training (its training program does not read them: they belong to another pipeline stage "
-            "there). The programs of one model must place every stage alike: compile the training and "
-            "forward-only calls with the same directives (piper.full_state_dict(step) still returns every weight)")
 
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,

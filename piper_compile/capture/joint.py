@@ -18,6 +18,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from piper_compile.capture.cache import exported
 from piper_compile.errors import PiperCaptureError
+from piper_compile.ir.dag import BUFFER_PREFIX, PARAM_PREFIX
 from piper_compile.ir.dims import dim_value
 
 PARAM, BUFFER, INPUT, SYM, TANGENT = "param", "buffer", "input", "sym", "tangent"
@@ -119,11 +120,11 @@ def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any],
         if isinstance(ex, nn.Parameter):
             fqn = fqn_from_source(src)
             params[fqn] = ex
-            specs.append(InputSpec(PARAM, fqn, f"param:{fqn}", i))
+            specs.append(InputSpec(PARAM, fqn, PARAM_PREFIX + fqn, i))
         elif isinstance(ex, torch.Tensor) and "_buffers" in src:
             fqn = fqn_from_source(src)
             buffers[fqn] = ex
-            specs.append(InputSpec(BUFFER, fqn, f"buffer:{fqn}", i))
+            specs.append(InputSpec(BUFFER, fqn, BUFFER_PREFIX + fqn, i))
         elif isinstance(ex, torch.Tensor):
             name = re.sub(r"[^A-Za-z0-9_.]", "", fqn_from_source(src).replace("L[", "")) or f"arg{i}"
             specs.append(InputSpec(INPUT, name, f"input:{name}", i))

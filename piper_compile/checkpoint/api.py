@@ -10,7 +10,7 @@ from piper_compile.api import _module_of, _state
 from piper_compile.checkpoint import commit, dcp_io, hf
 from piper_compile.checkpoint.hooks import install_hooks
 from piper_compile.checkpoint.layout import Ctx, ctx_of, raw_state_dict
-from piper_compile.checkpoint.state_dict import build, full_values, materialize
+from piper_compile.checkpoint.state_dict import build, full_buffers, full_values, materialize
 from piper_compile.errors import PiperError
 
 
@@ -175,13 +175,13 @@ def full_state_dict(step: Any) -> dict[str, torch.Tensor]:
     parallelism) is broadcast from the first rank that trains it."""
     ctx = _context(step)
     values = full_values(ctx)
-    fqn_by_id = {id(p): f for f, p in ctx.params.items()}
+    by_id = {id(p): values[f] for f, p in ctx.params.items()}
+    by_id.update({i: v.clone() for i, v in full_buffers(ctx).items()})  # another stage's: from its holder
     out: dict[str, Any] = {}
     raw = raw_state_dict(ctx.module) if ctx.module is not None else dict(ctx.params)
     for key, v in raw.items():
-        f = fqn_by_id.get(id(v))
-        if f is not None:
-            out[key] = values[f]
+        if id(v) in by_id:
+            out[key] = by_id[id(v)]
         elif isinstance(v, torch.Tensor):
             out[key] = v.detach().clone()
         else:
@@ -197,6 +197,6 @@ def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = 
     parameters (rank 0's copy is broadcast at that call). Every rank passes the same ``sd``."""
     module = _module_of(step)
     st = _state(step, create=False)
-    if st is not None and ((st.zero is not None and st.zero.sharded) or st.released):
+    if st is not None and ((st.zero is not None and st.zero.sharded) or st.released or st.released_buffers):
         install_hooks(st, module)
     return module.load_state_dict(sd, strict=strict)

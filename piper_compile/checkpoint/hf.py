@@ -168,18 +168,19 @@ def save(ctx: Ctx, path: str, max_shard_mb: float = 2048) -> None:
     """Write the model's full tensors as a ``save_pretrained`` directory (collective; rank 0 writes)."""
     from safetensors.torch import save_file
 
-    from piper_compile.checkpoint.state_dict import full_values
+    from piper_compile.checkpoint.state_dict import full_buffers, full_values
 
     assert ctx.module is not None
     prefix, hf_model = hf_root(ctx.module)
     tmp = f"{os.fspath(path)}.tmp-hf"
     on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)), f"preparing {tmp}")
     files: list[dict[str, str]] = []
+    buffers = full_buffers(ctx)  # another stage's buffers: from their holders (collective)
     for chunk in _chunks(ctx, max_shard_mb * 2**20):
         values = full_values(ctx, set(chunk))
 
         def write() -> dict[str, str]:
-            tensors = _named(ctx, values, prefix, chunk)
+            tensors = _named(ctx, values, buffers, prefix, chunk)
             name = f"part-{len(files):05d}.safetensors"
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(tmp, name),
                       metadata={"format": "pt"})
@@ -203,9 +204,10 @@ def _chunks(ctx: Ctx, limit: float) -> Iterator[list[str]]:
     yield chunk
 
 
-def _named(ctx: Ctx, values: dict[str, torch.Tensor], prefix: str, chunk: list[str]) -> dict[str, torch.Tensor]:
+def _named(ctx: Ctx, values: dict[str, torch.Tensor], buffers: dict[int, torch.Tensor], prefix: str,
+           chunk: list[str]) -> dict[str, torch.Tensor]:
     """The chunk's full values under checkpoint names (a tied weight once, experts split), plus the
-    persistent buffers with the first chunk."""
+    persistent buffers with the first chunk (``buffers``: ``full_buffers``, by the buffer's id)."""
     assert ctx.module is not None
     stacked = _stacked(ctx.module)
     out: dict[str, torch.Tensor] = {}
@@ -218,7 +220,7 @@ def _named(ctx: Ctx, values: dict[str, torch.Tensor], prefix: str, chunk: list[s
             out[key] = values[f]
     if chunk and chunk[0] == next(iter(ctx.params)):
         params = {id(p) for p in ctx.params.values()}
-        out.update({k: v.detach() for k, v in raw_state_dict(ctx.module).items()
+        out.update({k: buffers.get(id(v), v).detach() for k, v in raw_state_dict(ctx.module).items()
                     if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and id(v) not in params})
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in out.items()}
 

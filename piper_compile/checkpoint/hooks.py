@@ -11,30 +11,34 @@ import torch
 from torch import nn
 
 from piper_compile.checkpoint.layout import HOOKS_OFF, ctx_of, groups_of
-from piper_compile.checkpoint.state_dict import full_values
+from piper_compile.checkpoint.state_dict import full_buffers, full_values
 from piper_compile.runtime import state as _state_mod
 from piper_compile.runtime.zero import ensure_storage, free_storage
 
 
-def _names(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+def _names(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, p in module.named_parameters(remove_duplicate=False):
         yield prefix + name, p
+    for name, b in module.named_buffers(remove_duplicate=False):
+        yield prefix + name, b
 
 
 def _state_dict_hook(st: Any, module: nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """ZeRO-3: the module's parameters have no storage; put full tensors, all-gathered from the shards,
     in their place (a collective over each ZeRO-3 bucket's group). Released parameters (other pipeline
-    stages'): every value from its owners (a collective over the world)."""
+    stages' parameters and buffers): every value from its holders (a collective over the world)."""
     z = st.zero
     if HOOKS_OFF[0]:
         return
-    if st.released:  # other stages' parameters were released: fetch every value from its owners
+    if st.released or st.released_buffers:  # other stages' tensors were released: fetch them from their holders
         cs = next(c for c in st.steps if c.plans)
-        vals = full_values(ctx_of(st, cs, module))  # a collective over the world
-        by_id = {id(p): f for f, p in st.named.items()}
+        ctx = ctx_of(st, cs, module)
+        vals = full_values(ctx)  # a collective over the world
+        by_id = {id(p): vals[f] for f, p in st.named.items()}
+        by_id.update(full_buffers(ctx))  # a collective over the world
         for key, p in _names(module, prefix):
             if id(p) in by_id and key in sd:
-                sd[key] = vals[by_id[id(p)]]
+                sd[key] = by_id[id(p)]
         return
     if z is None or not z.sharded:
         return
@@ -58,6 +62,8 @@ def _load_pre_hook(st: Any, module: nn.Module, *args: Any) -> None:
     key the state dict lacks keeps it)."""
     for f in sorted(st.released):
         ensure_storage(st.named[f])
+    for f in sorted(st.released_buffers):
+        ensure_storage(st.buffers_to_release[f])
     with torch.no_grad():
         for f, sh in sorted(st.shards.items()):
             if f in st.released:
@@ -88,6 +94,8 @@ def _load_post_hook(st: Any, module: nn.Module, incompatible: Any) -> None:
     for f in sorted(st.released):
         if st.named[f].untyped_storage().nbytes():
             free_storage(st.named[f])
+    for f in sorted(st.released_buffers):
+        free_storage(st.buffers_to_release[f])
     z = st.zero
     if z is None or not z.sharded:
         return
@@ -111,7 +119,8 @@ def install_hooks(st: Any, module: nn.Module) -> None:
     weights): ``model.state_dict()`` returns full tensors (ZeRO-3: all-gathered on demand, so every rank
     of a ZeRO group must call it together; released weights: fetched from their owners, so every rank of
     the world must) and ``model.load_state_dict(full)`` also updates the shards."""
-    if st.hooks_installed or ((st.zero is None or not st.zero.sharded or not st.zero.buckets) and not st.released):
+    if st.hooks_installed or ((st.zero is None or not st.zero.sharded or not st.zero.buckets) and not st.released
+                              and not st.released_buffers):
         return
     st.hooks_installed = True
     module.register_state_dict_post_hook(functools.partial(_state_dict_hook, st))
@@ -136,7 +145,7 @@ def _caller_module(st: Any) -> nn.Module | None:
 
 
 def _on_sharded(st: Any, cs: Any) -> None:
-    if ((st.zero is not None and st.zero.buckets) or st.released) and not st.hooks_installed:
+    if ((st.zero is not None and st.zero.buckets) or st.released or st.released_buffers) and not st.hooks_installed:
         link = getattr(cs, "link", None)  # piper.compile: the module itself; torch.compile: its frame
         module = link.module() if link is not None and link.module() is not None else _caller_module(st)
         if module is not None:

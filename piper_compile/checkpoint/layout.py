@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from piper_compile.plan.residency import buffer_holders
 from piper_compile.runtime.shards import LocalShard
 from piper_compile.checkpoint.pieces import ShardPieces
 
@@ -66,6 +67,16 @@ class Ctx:
     @property
     def params(self) -> dict[str, nn.Parameter]:
         return self.cs.joint.params
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The joint graph's buffers by fqn (what the programs read as ``buffer:fqn``)."""
+        return self.cs.joint.buffers
+
+    @functools.cached_property
+    def buffer_holders(self) -> dict[str, list[int]]:
+        """Buffer fqn -> the ranks whose training program reads it (the others released it)."""
+        return buffer_holders(self.programs, self.buffers)
 
     @property
     def sharded(self) -> set[str]:

@@ -28,10 +28,11 @@ def _model_entries(ctx: Ctx) -> dict[str, Any]:
         if f not in ctx.owners:
             out[f] = ctx.pieces(f, ctx.local(f).detach()) if f in ctx.split else p.detach()
     named = {ctx.name_of[f]: v for f, v in out.items()}
-    if ctx.module is not None:  # tied aliases under every name, and persistent buffers
+    if ctx.module is not None:  # tied aliases under every name, and persistent buffers this rank holds
         fqn_by_id = {id(p): f for f, p in ctx.params.items()}
+        released = {id(ctx.buffers[f]) for f in ctx.st.released_buffers}  # another stage's: its holder writes it
         for key, v in raw_state_dict(ctx.module).items():
-            if key in named or not isinstance(v, torch.Tensor):
+            if key in named or not isinstance(v, torch.Tensor) or id(v) in released:
                 continue
             f = fqn_by_id.get(id(v))
             if f is None and not isinstance(v, nn.Parameter):
@@ -188,6 +189,22 @@ def full_values(ctx: Ctx, only: set[str] | None = None) -> dict[str, torch.Tenso
             if own and len(own) < ctx.world:
                 dist.broadcast(vals[f], src=min(own))
     return vals
+
+
+def full_buffers(ctx: Ctx) -> dict[int, torch.Tensor]:
+    """``id(buffer) -> its value`` for every buffer of the joint graph, on every rank: one this rank
+    released (another stage's) is broadcast from the first rank whose program reads it. A collective over
+    the world (every rank derives the same broadcasts from the training programs)."""
+    vals: dict[str, torch.Tensor] = {}
+    for f, b in sorted(ctx.buffers.items()):
+        own = ctx.buffer_holders.get(f)
+        shared = ctx.world > 1 and own and len(own) < ctx.world
+        if not shared:
+            vals[f] = b.detach()
+            continue
+        vals[f] = b.detach() if ctx.rank == min(own) else torch.empty(b.shape, dtype=b.dtype, device=b.device)
+        dist.broadcast(vals[f], src=min(own))
+    return {id(ctx.buffers[f]): v for f, v in vals.items()}
 
 
 def _gather_pieces(ctx: Ctx, want: set[str]) -> dict[str, torch.Tensor]:

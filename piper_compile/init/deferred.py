@@ -7,8 +7,8 @@ tensor of the same shape on the batch's device with *no storage*, as piper's rel
 Dynamo and piper capture and plan with those. Where the first step would broadcast rank 0's weights,
 ``materialize_state`` instead gives storage to what this rank's plan holds -- whole parameters and
 buffers its program reads, its expert / tensor-parallel pieces, its ZeRO-3 shards (only the shard) --
-and fills each from the init programs (``init/replay.py``). Other stages' weights and ZeRO-3 parameters
-never get storage.
+and fills each from the init programs (``init/replay.py``). Other stages' weights and buffers and ZeRO-3
+parameters never get storage.
 
 ``options["init"]``: ``"module"`` (default) runs each module's ``reset_parameters()``, or
 ``options["init_fn"](module)`` applied as ``model.apply(init_fn)`` (``init=init_fn`` is short for both);
@@ -151,8 +151,9 @@ def stand_ins(model: nn.Module, device: Any) -> Iterator[None]:
 def materialize_state(state: Any, buffers: dict[str, torch.Tensor], deferred: Deferred) -> None:
     """At the first call (where a built model's weights are broadcast from rank 0): storage and init
     values for what this rank holds -- whole parameters its programs read, its expert / tensor-parallel
-    pieces (the full weight never gets storage) and every buffer. ZeRO-3 parameters wait for
-    ``TrainState.shard``, which fills only the shard (``zero_fill``); other stages' weights get nothing."""
+    pieces (the full weight never gets storage) and every buffer it does not release. ZeRO-3 parameters
+    wait for ``TrainState.shard``, which fills only the shard (``zero_fill``); other stages' weights and
+    buffers get nothing."""
     if deferred.choice.mode == "checkpoint" and not state.pending:
         raise PiperError("piper: options['init']='checkpoint' leaves the parameters for piper.load, but no "
                          "piper.load(step, path) was called before the first step; call it first, or use "
@@ -170,8 +171,8 @@ def materialize_state(state: Any, buffers: dict[str, torch.Tensor], deferred: De
                 state.released.add(f)
             elif f not in zero3:
                 deferred.fill_whole(p)
-        for b in buffers.values():
-            if deferred.key(b) is not None:
+        for f, b in buffers.items():
+            if deferred.key(b) is not None and f not in state.buffers_to_release:
                 deferred.fill_whole(b)
 
 

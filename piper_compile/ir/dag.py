@@ -25,6 +25,7 @@ Attrs = tuple[tuple[str, Any], ...]
 
 
 PARAM_PREFIX = "param:"
+BUFFER_PREFIX = "buffer:"
 
 # Keys that were node annotations before ops were typed and are now an op's fields or its type: reading
 # one from ``attrs`` would silently answer None. ``mb`` and ``zero`` stay annotations of compute steps too.

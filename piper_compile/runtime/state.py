@@ -47,6 +47,8 @@ class TrainState:
         self.named: dict[str, nn.Parameter] = {}
         self.to_release: set[str] = set()
         self.released: set[str] = set()  # parameters whose storage this rank gave back (other stages)
+        self.buffers_to_release: dict[str, torch.Tensor] = {}  # other stages' buffers, by fqn
+        self.released_buffers: set[str] = set()  # buffers whose storage this rank gave back
         self.shards: dict[str, LocalShard] = {}  # expert / tensor-parallel pieces this rank holds, by fqn
         self.shards_filled = False
         self.hooks_installed = False
@@ -156,13 +158,14 @@ class TrainState:
         """Every local shard (expert and tensor parallel) by FQN."""
         return {f: s.param for f, s in self.shards.items()}
 
-    def release_unused(self, fqns: Iterable[str]) -> None:
+    def release_unused(self, fqns: Iterable[str], buffers: dict[str, torch.Tensor] | None = None) -> None:
         """Pipeline stages (with or without ZeRO, data / tensor / expert parallel inside them): parameters
-        this rank's training program never reads (other stages' weights) give their memory back at
-        ``shard()``; ``piper.full_state_dict`` / ``model.state_dict()`` fetch them from the ranks that
-        train them (a collective over the world), and ``model.load_state_dict`` gives them storage for the
-        copy only."""
+        this rank's training program never reads (other stages' weights), and ``buffers`` (fqn -> tensor)
+        that other ranks' programs read and this one's does not, give their memory back at ``shard()``;
+        ``piper.full_state_dict`` / ``model.state_dict()`` fetch them from the ranks that hold them (a
+        collective over the world), and ``model.load_state_dict`` gives them storage for the copy only."""
         self.to_release.update(fqns)
+        self.buffers_to_release.update(buffers or {})
 
     def shard(self) -> None:
         """Move parameters into the shard layout (after rank 0's weights were broadcast); once. Release
@@ -170,6 +173,9 @@ class TrainState:
         for f in sorted(self.to_release - self.released):
             free_storage(self.named[f])
             self.released.add(f)
+        for f in sorted(set(self.buffers_to_release) - self.released_buffers):
+            free_storage(self.buffers_to_release[f])
+            self.released_buffers.add(f)
         if self.shards and not self.shards_filled:
             with torch.no_grad():
                 for f, sh in self.shards.items():
@@ -195,7 +201,8 @@ class TrainState:
         """Every call, right after shard() and before the step computes: the ON_SHARDED hooks once, then
         what was registered to wait for this point (``step`` is the calling CompiledStep)."""
         self.first_call_done = True
-        if not self.on_sharded_done and ((self.zero is not None and self.zero.sharded) or self.released):
+        if not self.on_sharded_done and ((self.zero is not None and self.zero.sharded) or self.released
+                                         or self.released_buffers):
             self.on_sharded_done = True
             for hook in ON_SHARDED:
                 hook(self, step)

@@ -34,6 +34,40 @@ class MLPChain(nn.Module):
         return torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
 
 
+class ScaledLinear(nn.Linear):
+    """``Linear`` followed by a per-feature gain and shift held as buffers (persistent ``gain``,
+    non-persistent ``shift``), set by ``reset_parameters`` from the layer's index: constants that differ
+    per layer, as a model's masks, rotary tables or normalization statistics do."""
+
+    def __init__(self, dim: int, index: int) -> None:
+        self.index = index
+        super().__init__(dim, dim)
+        self.register_buffer("gain", torch.empty(dim))
+        self.register_buffer("shift", torch.empty(dim), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.gain.fill_(1.0 + 0.25 * self.index)
+            self.shift.fill_(0.05 * (self.index + 1))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "gain"):  # nn.Linear's __init__ calls this before the buffers exist
+            self.reset_buffers()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain + self.shift
+
+
+class BufferedMLP(MLPChain):
+    """:class:`MLPChain` of :class:`ScaledLinear` layers: every pipeline stage reads its own buffers."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__(dim, 0)
+        self.layers = nn.ModuleList(ScaledLinear(dim, i) for i in range(depth))
+
+
 class AutocastMLP(MLPChain):
     """``MLPChain`` whose layers run under ``torch.autocast`` (bf16 matmuls on fp32 weights, the loss in
     fp32 outside it): a user's own autocast, captured by Dynamo, alone or under a mixed-precision policy."""
@@ -269,7 +303,7 @@ class TiedMLP(nn.Module):
         return torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
 
 
-MODELS = {"tied_mlp": TiedMLP, "mlp": MLPChain, "autocast_mlp": AutocastMLP, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
+MODELS = {"tied_mlp": TiedMLP, "mlp": MLPChain, "buffered_mlp": BufferedMLP, "autocast_mlp": AutocastMLP, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
           "gelu_tanh": TanhGELUMLP}
 
 

@@ -80,15 +80,18 @@ def test_pp2_x_ep2_releases_the_other_stage():
 def test_a_program_reading_a_released_weight_is_refused():
     """The guard every call runs: a program that reads a weight this rank released is a piper: error
     naming the weight (a released tensor-parallel weight is fine: programs read the rank's piece)."""
-    from piper_compile.backend import _check_resident
+    from piper_compile.plan.residency import Reads, check_resident
     from piper_compile.runtime.state import TrainState
 
     st = TrainState([torch.nn.Parameter(torch.zeros(2))], None)
     st.released = {"a.weight", "tp.weight"}
+    st.released_buffers = {"c.mask"}
     st.shards = {"tp.weight": object()}  # type: ignore[dict-item]
-    _check_resident(frozenset({"tp.weight", "b"}), st, 1, "forward-only program")
+    check_resident(Reads(frozenset({"tp.weight", "b"}), frozenset({"d.mask"})), st, 1, "forward-only program")
     with pytest.raises(piper.PiperError, match=r"piper: rank 1's forward-only program reads a\.weight"):
-        _check_resident(frozenset({"a.weight", "b"}), st, 1, "forward-only program")
+        check_resident(Reads(frozenset({"a.weight", "b"})), st, 1, "forward-only program")
+    with pytest.raises(piper.PiperError, match=r"piper: rank 1's forward-only program reads c\.mask"):
+        check_resident(Reads(frozenset({"b"}), frozenset({"c.mask"})), st, 1, "forward-only program")
 
 
 def _make(cfg: RunConfig, seed: int) -> tuple[torch.nn.Module, Any]:
