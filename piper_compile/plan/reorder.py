@@ -6,7 +6,8 @@ Two mechanisms, both keeping every number bitwise equal to program order (two ac
 same gradient, or two into the loss, are never swapped):
 
 * overlap partners: the two halves of an overlap slot (DualPipeV/ZBV pairs an F with a B). On CUDA the
-  partner always runs on a second stream; elsewhere it runs first when its predecessor's input is late.
+  partner runs on a second stream (with gloo's host-blocking waits, ranks sharing a GPU, only once its
+  input has arrived); elsewhere it runs first when its predecessor's input is late.
   Shown as ``F0.mb3|B1.mb2`` in a program's text.
 * fillers: where a wait blocks the host (gloo on CPU), a compute step whose input is still in flight
   lets later independent *sink* steps run first -- steps whose results nothing else reads, only

@@ -38,9 +38,9 @@ class SideStream:
     """CUDA: the second compute stream of an overlap slot. The partner step of a pair (see
     ``overlap_partners``) is launched on it after the main stream's work so far (``fork``), waits for its
     own communication there only, and the main stream waits for it at the partner's program position
-    (``join``): a late input of one step then delays that step alone, not the other on the GPU."""
-
-    async_waits = True  # a wait made on the stream does not block the host (NCCL work)
+    (``join``): a late input of one step then delays that step alone, not the other on the GPU. Only
+    NCCL's waits stay on the stream; where a wait blocks the host (gloo, ranks sharing a GPU) the executor
+    starts a partner there only once its input is here (``Executor._early``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device=device)
@@ -139,7 +139,7 @@ class Executor:
         ``j``'s has arrived) or None (program order)."""
         need, pending = self._needs[j], step.pending
         if self._side is not None and not any(w in step.finish for w in need) and (
-                self._side.async_waits or not self._blocked(need, pending)):
+                self.device_waits or not self._blocked(need, pending)):
             return "side"
         return "host" if self._blocked(ins.waits, pending) and not self._blocked(need, pending) else None
 

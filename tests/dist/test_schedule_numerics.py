@@ -42,10 +42,9 @@ def test_dualpipe_v(ranks):
 
 
 class _RecordedSide:
-    """CPU stand-in for ``executor.SideStream``: logs what the executor asks of the second stream. Its
-    waits block the host (gloo), so the executor only puts partners whose input has arrived on it."""
-
-    async_waits = False
+    """CPU stand-in for ``executor.SideStream``: logs what the executor asks of the second stream. Waits
+    here block the host (gloo), as on one GPU shared by several ranks, so the executor only puts partners
+    whose input has arrived on it."""
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
@@ -73,13 +72,28 @@ def _two_stream_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def test_dualpipe_v_overlap_slots_on_a_second_stream():
-    """The CUDA two-stream path of overlap slots, driven on CPU: a pair forks the side stream, runs the
-    partner inside it and joins before the partner's frees; training still matches eager."""
-    cfg = _gpt(4, [piper.split(8), *S.dualpipe_v(2, 8)])
-    results = run_local(_two_stream_worker, 2, cfg)
-    assert_parity(results, eager_reference(cfg, 2))
-    assert results[0]["stats"].reordered > 0  # rank 0 of the 2-rank V holds the overlap slots
+TWO_STREAMS = {
+    "dualpipe_v": (lambda: _gpt(4, [piper.split(8), *S.dualpipe_v(2, 8)]), 2),
+    "pp2_1f1b": (lambda: _gpt(2, [*piper.pipeline(2), piper.split(4), *S.one_f_one_b(2, 4)]), 2),
+    "pp2_x_dp2_zero3": (lambda: _gpt(2, [*piper.pipeline(2, ranks=[[0, 2], [1, 3]]), piper.split(4),
+                                         *S.one_f_one_b(2, 4), piper.replicate({"PP": "*"}, zero=3)]), 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TWO_STREAMS))
+def test_overlap_partners_on_a_second_stream(case, monkeypatch):
+    """The CUDA two-stream path of overlap partners, driven on CPU with waits that block the host, as on
+    ranks sharing one GPU over gloo: a pair forks the side stream, runs the partner inside it and joins
+    before the partner's frees; the run finishes and training matches eager. (The first GPU run hung in
+    exactly these three cases: a partner was started on the side stream before its input had arrived, and
+    its blocking wait held the rank before the step its peer was waiting for; the PIPER_TIMEOUT below makes
+    such a deadlock fail in seconds, naming the instruction.)"""
+    monkeypatch.setenv("PIPER_TIMEOUT", "30")
+    make, world = TWO_STREAMS[case]
+    cfg = make()
+    results = run_local(_two_stream_worker, world, cfg, timeout_s=300)
+    assert_parity(results, eager_reference(cfg, world))
+    assert results[0]["stats"].reordered > 0  # rank 0 holds overlap partners (a V's slots, 1F1B's B|F pairs)
     for r in results:
         log = r["side_log"]
         assert log == ["fork", "enter", "exit", "join"] * (len(log) // 4)
