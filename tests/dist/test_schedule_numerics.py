@@ -87,8 +87,10 @@ def test_overlap_partners_on_a_second_stream(case, monkeypatch):
     before the partner's frees; the run finishes and training matches eager. (The first GPU run hung in
     exactly these three cases: a partner was started on the side stream before its input had arrived, and
     its blocking wait held the rank before the step its peer was waiting for; the PIPER_TIMEOUT below makes
-    such a deadlock fail in seconds, naming the instruction.)"""
+    such a deadlock fail in seconds, naming the instruction.) Every transfer goes through host buffers
+    as a shared GPU's do (``PIPER_HOST_STAGING=always``)."""
     monkeypatch.setenv("PIPER_TIMEOUT", "30")
+    monkeypatch.setenv("PIPER_HOST_STAGING", "always")
     make, world = TWO_STREAMS[case]
     cfg = make()
     results = run_local(_two_stream_worker, world, cfg, timeout_s=300)
