@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     peak, source = peak_tflops(device, torch.bfloat16)
     tokens = args.batch * cfg.seq
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "params": nparams, "tokens_per_step": tokens, "peak_tflops": peak, "peak_source": source,
+              "params": nparams, "preset": args.preset, "batch": args.batch, "seq": cfg.seq,
+              "microbatches": args.microbatches, "tokens_per_step": tokens, "peak_tflops": peak, "peak_source": source,
               "piper": mine, "peer": peer, "ratio": mine["step_s"] / peer["step_s"],
               "peer_accum": accum, "ratio_accum": mine["step_s"] / accum["step_s"]}
     for r in (mine, peer, accum):
