@@ -34,18 +34,31 @@ class Staged:
                  keep: list[torch.Tensor] | None = None) -> None:
         self.work, self.copy_back = work, copy_back
         self.keep = keep or []  # host buffers gloo reads or writes until the work completes
+        self._copied: tuple[Any, torch.device] | None = None  # CUDA: an event after the copies back, and where
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait on the host, then copy back (the first time) on the current stream. A later wait from
+        another stream orders that stream after the copies, as a second ``wait()`` of NCCL work does: an
+        overlap partner waits on the CUDA side stream, and the main stream may read the same value."""
         ok = True
         if self.work is not None:
             ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
         if ok is not False:
-            for dst, host in self.copy_back:
-                dst.copy_(host, non_blocking=dst.is_cuda)
-            self.copy_back = []
+            if self.copy_back:
+                for dst, host in self.copy_back:
+                    dst.copy_(host, non_blocking=dst.is_cuda)
+                device = self.copy_back[0][0].device
+                if device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(device))
+                    self._copied = (event, device)
+                self.copy_back = []
+            elif self._copied is not None:
+                event, device = self._copied
+                torch.cuda.current_stream(device).wait_event(event)
         return ok
 
     def get_future(self) -> Any:
