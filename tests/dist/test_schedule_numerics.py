@@ -74,6 +74,7 @@ def _two_stream_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
 
 TWO_STREAMS = {
     "dualpipe_v": (lambda: _gpt(4, [piper.split(8), *S.dualpipe_v(2, 8)]), 2),
+    "zbv": (lambda: _gpt(4, [piper.split(8), *S.zbv(2, 8)]), 2),
     "pp2_1f1b": (lambda: _gpt(2, [*piper.pipeline(2), piper.split(4), *S.one_f_one_b(2, 4)]), 2),
     "pp2_x_dp2_zero3": (lambda: _gpt(2, [*piper.pipeline(2, ranks=[[0, 2], [1, 3]]), piper.split(4),
                                          *S.one_f_one_b(2, 4), piper.replicate({"PP": "*"}, zero=3)]), 4),
