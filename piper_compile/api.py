@@ -48,8 +48,24 @@ def _state(step: Any, create: bool) -> Any:
     if st is not None or not create:
         return st
     linked = getattr(step, "_piper_link", None)  # piper.compile keeps the options; torch.compile hides them
+    if linked is None:
+        _refuse_meta(module)
     raw = linked.options if linked is not None else _find_options(step)
     return state_of_module(module, Options.parse(raw).optimizer if raw is not None else None, create=True)
+
+
+def _refuse_meta(module: nn.Module) -> None:
+    """A model built on the meta device compiled by plain ``torch.compile``: its first call would fail inside
+    Dynamo (which traces it before any backend sees it) with a device error; say so, and what works."""
+    from piper_compile.init.record import meta_tensors
+
+    name = next((n for n, _ in meta_tensors(module)), None)
+    if name is not None:
+        raise PiperError(
+            f"piper: {type(module).__name__} has tensors on the meta device (e.g. {name}); "
+            "torch.compile(model, backend='piper') cannot run it: Dynamo traces the model before piper sees it "
+            "and fails on the meta/real device mix. Compile it with piper.compile(model, directives=..., "
+            "optimizer=...), which gives each rank storage for its own pieces only")
 
 
 def optimizer(step: Any) -> torch.optim.Optimizer:

@@ -199,3 +199,21 @@ def test_deferred_keys_follow_the_tensor_objects():
     assert isinstance(d, Deferred) and d.key(model.lin.weight) == "lin.weight" and d.key(torch.zeros(1)) is None
     assert all(not t.is_meta and t.untyped_storage().nbytes() == 0 for t in [*model.parameters(), *model.buffers()])
     assert isinstance(d.plan.programs["inv_freq"][0], Fallback)
+
+
+def test_plain_torch_compile_of_a_meta_model_is_refused_with_what_works():
+    """Dynamo would fail inside the first call on the meta/real device mix, before piper sees the model;
+    an API call before it (here the optimizer, as a scheduler needs) says so and names piper.compile.
+    piper.compile's step is not refused."""
+    import functools
+
+    from piper_compile.testing.models import MLPChain
+
+    with torch.device("meta"):
+        model = MLPChain(8, 2)
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    step = torch.compile(model, backend="piper", options={"optimizer": opt})
+    with pytest.raises(piper.PiperError, match=r"piper: MLPChain has tensors on the meta device \(e\.g\. "
+                                               r"layers\.0\.weight\).*piper\.compile\(model"):
+        piper.optimizer(step)
+    assert isinstance(piper.optimizer(piper.compile(model, optimizer=opt)), torch.optim.SGD)
