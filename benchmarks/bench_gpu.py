@@ -102,7 +102,9 @@ def _device_busy(step: Callable[[], Any], device: torch.device) -> dict:
     for lo, hi in spans:
         if hi > end:
             busy, end = busy + hi - max(lo, end), hi
-    return {"profiled_s": wall, "device_busy_s": busy / 1e6 if cuda else None, "device_ops": len(spans)}
+    busy_s = busy / 1e6 if cuda else None
+    return {"profiled_s": wall, "device_busy_s": busy_s, "device_busy_share": busy_s / wall if cuda else None,
+            "device_ops": len(spans)}
 
 
 def _model(cfg: GPTConfig, device: torch.device) -> GPT:
@@ -160,9 +162,9 @@ def run_peer(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tensor
 
 def _busy_text(mine: dict, peer: dict, accum: dict) -> str:
     """``  device busy: piper 41% of a profiled step (6,120 kernels and copies), ...`` (CUDA only)."""
-    if mine.get("device_busy_s") is None:
+    if mine.get("device_busy_share") is None:
         return ""
-    parts = [f"{name} {100 * r['device_busy_s'] / r['profiled_s']:.0f}% of a profiled step ({r['device_ops']:,} "
+    parts = [f"{name} {100 * r['device_busy_share']:.0f}% of a profiled step ({r['device_ops']:,} "
              f"kernels and copies)" for name, r in (("piper", mine), ("torch.compile", peer), ("accumulating", accum))]
     return "  device busy: " + ", ".join(parts)
 

@@ -97,10 +97,10 @@ def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
 
 def _busy(p: dict, q: dict) -> str:
     """The share of a profiled step the device was busy, piper vs the peer (CUDA only)."""
-    if p.get("device_busy_s") is None:
+    if p.get("device_busy_share") is None:
         return ""
-    return (f"; device busy {100 * p['device_busy_s'] / p['profiled_s']:.0f}% ({p['device_ops']:,} ops) vs "
-            f"{100 * q['device_busy_s'] / q['profiled_s']:.0f}% ({q['device_ops']:,})")
+    return (f"; device busy {100 * p['device_busy_share']:.0f}% ({p['device_ops']:,} ops) vs "
+            f"{100 * q['device_busy_share']:.0f}% ({q['device_ops']:,})")
 
 
 def _staging_smoke() -> Row:

@@ -73,22 +73,20 @@ def _staged(t: torch.Tensor, group: Any) -> bool:
     return t.is_cuda and dist.get_backend(group) == "gloo"
 
 
-def _host(t: torch.Tensor, copy: bool = True, pin: bool = True) -> torch.Tensor:
-    """A host buffer shaped like ``t`` (pinned for CUDA tensors unless not ``pin``), holding ``t``'s values
-    when ``copy``."""
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.is_cuda)
+def _host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A host buffer shaped like ``t`` (pinned for CUDA tensors), holding ``t``'s values when ``copy``."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
     if copy:
         h.copy_(t)
     return h
 
 
-def _run(issue: Callable[..., Any], group: Any, sent: list[torch.Tensor], got: list[torch.Tensor],
-         pin_sent: bool = True) -> Any:
+def _run(issue: Callable[..., Any], group: Any, sent: list[torch.Tensor], got: list[torch.Tensor]) -> Any:
     """``issue(*sent, *got)`` on the tensors themselves, or on host copies (``got`` copied back at wait)."""
     probe = (sent or got)[0]
     if not _staged(probe, group):
         return issue(*sent, *got)
-    hs = [_host(t, pin=pin_sent) for t in sent]
+    hs = [_host(t) for t in sent]
     hg = [_host(t, copy=False) for t in got]
     return Staged(issue(*hs, *hg), list(zip(got, hg)), hs)
 
@@ -159,12 +157,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
 
 
 def isend(t: torch.Tensor, dst: int, group: Any) -> Any:
-    # A staged send's host copy is pageable, not pinned: its last reference goes with the send's work in
-    # the reaper thread, and freeing pinned memory there is the one thing the pipelines' staged sends do
-    # that the collectives' (waited for on the main thread) do not -- the shared-GPU pipeline cases hung
-    # on the GPU (cause not pinned down; pinned memory in several processes on one device is known to
-    # hang, pytorch#31261). The copy was synchronous already, so only its bandwidth changes.
-    work = _run(lambda h: dist.isend(h, dst=dst, group=group), group, [t.contiguous()], [], pin_sent=False)
+    work = _run(lambda h: dist.isend(h, dst=dst, group=group), group, [t.contiguous()], [])
     return _reaper((id(group), dst)).reap(work) if dist.get_backend(group) == "gloo" else work
 
 
