@@ -7,7 +7,10 @@ planning workers share it."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
+import pathlib
 import tempfile
 from typing import Iterator
 
@@ -52,3 +55,27 @@ def constant_bytes(t: torch.Tensor) -> bytes:
 def usable_cores() -> int:
     """The cores this process may run on (its affinity where the platform tells it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@functools.cache
+def package_hash() -> str:
+    """A hash of piper's own source (its custom ops and capture code shape the joint graph)."""
+    root = pathlib.Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def trace_settings() -> str:
+    """What besides a graph decides what tracing it gives (AOTAutograd's export of a joint graph, ``make_fx``
+    of a segment): the torch version, piper's source, functorch's configuration, autocast, SDPA backends,
+    determinism."""
+    import torch._functorch.config as functorch_config
+
+    autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda")]
+    sdp = [f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+                         torch.backends.cuda.math_sdp_enabled)]
+    return repr((torch.__version__, package_hash(), sorted(functorch_config.save_config_portable().items()),
+                 autocast, sdp, torch.are_deterministic_algorithms_enabled()))

@@ -78,6 +78,7 @@ class StepMetrics:
     reused: int = 0  # graphs that reused code compiled in this process (repeated blocks: codegen/regional.py)
     capture: str = ""  # the joint graph: "captured" (exported here), "loaded" (capture/cache.py), "off", "uncacheable"
     capture_s: float = 0.0  # seconds the joint export (or its load) took
+    fast_loads: int = 0  # of cache_hits, graphs loaded straight from their recorded entry (codegen/artifacts.py)
 
     @property
     def tflops_per_s(self) -> float:
@@ -191,8 +192,8 @@ def metrics_of(cs: Any) -> StepMetrics:
                        stats.compute_s, stats.update_s, stats.comm_wait_s, stats.p2p_wait_s, mem, note,
                        len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
                        sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps),
-                       *(sum(c.outcomes.count(o) for c in segs) for o in ("hit", "miss", "reused")),
-                       cs.joint.how, cs.joint.seconds)
+                       *(sum(c.outcomes.count(o) for c in segs for o in os) for os in (("hit", "loaded"), ("miss",), ("reused",))),
+                       cs.joint.how, cs.joint.seconds, sum(c.outcomes.count("loaded") for c in segs))
 
 
 def stats(step: Any) -> StepMetrics:

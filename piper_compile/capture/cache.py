@@ -21,19 +21,17 @@ file that does not load is exported again and overwritten. ``PIPER_CAPTURE_CACHE
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import inspect
 import logging
 import os
-import pathlib
 import tempfile
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
-from piper_compile.disk import cache_root, one_at_a_time, constant_bytes, usable_cores
+from piper_compile.disk import cache_root, one_at_a_time, constant_bytes, trace_settings, usable_cores
 from piper_compile.knobs import knob
 
 log = logging.getLogger(__name__)
@@ -47,28 +45,6 @@ _KEEP = frozenset({"val", "tensor_meta", "custom", "stack_trace", "partitioner_t
 _STACKS = ("nn_module_stack", "fwd_nn_module_stack")
 _TORCH_MODULES = ("torch", "operator", "_operator", "math", "builtins", "piper_compile")
 _SAFE_OP_NAMESPACES = frozenset({"aten", "prims", "piper", "_c10d_functional", "c10d_functional", "higher_order"})
-
-
-@functools.cache
-def _package_hash() -> str:
-    """A hash of piper's own source (its custom ops and capture code shape the joint graph)."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def _settings() -> str:
-    """What else decides AOTAutograd's export: its configuration, autocast, SDPA backends, determinism."""
-    import torch._functorch.config as functorch_config
-
-    autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda")]
-    sdp = [f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
-                         torch.backends.cuda.math_sdp_enabled)]
-    return repr((torch.__version__, _package_hash(), sorted(functorch_config.save_config_portable().items()),
-                 autocast, sdp, torch.are_deterministic_algorithms_enabled()))
 
 
 def _hint(x: Any) -> Any:
@@ -138,7 +114,7 @@ def _attr_text(value: Any, h: Any) -> bool:
 
 def joint_key(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> str | None:
     """The cache key of the joint export of ``gm`` traced with ``fakes``; None: not cacheable."""
-    h = hashlib.sha256(_settings().encode())
+    h = hashlib.sha256(trace_settings().encode())
     if not _graph_text(gm, h):
         return None
     h.update(_value_text(tuple(fakes)).encode())

@@ -59,10 +59,8 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
     """(Inductor's function for ``static`` on inputs like ``args``, how it was had): "reused" (compiled in
     this process already), else through the FX graph cache with ranks taking turns ("hit", "miss",
     "bypass"), or "off" without the cache."""
-    from torch._guards import TracingContext, tracing
+    from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx_inner
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     key = segment_key(static, args)
     if key in _COMPILED:
@@ -71,16 +69,8 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
         compiled, how = compile_fx_inner(static, list(args)), "off"
     else:
         # A tracing context with a shape env lets Inductor's FX graph cache key the (static) graph.
-        # Fake example inputs: Inductor hashes a real tensor's values into the key (it takes it for a
-        # constant), so each rank's batch and weights would make a key of its own.
-        from torch._guards import detect_fake_mode
-
-        mode = detect_fake_mode(args)  # precompile's fake inputs, or a mode of our own for real ones
-        if mode is None:
-            mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-            fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-        else:
-            fakes = list(args)
+        fakes = fakes_of(args)
+        mode = detect_fake_mode(fakes)
         # Once a rank wrote the artifact, ranks load it side by side; only compiling takes turns.
         with (contextlib.nullcontext() if _written(key) else one_at_a_time(key)), tracing(TracingContext(mode)):
             before = counts()
@@ -90,6 +80,20 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
                 _mark_written(key)
     _COMPILED[key] = compiled
     return compiled, how
+
+
+def fakes_of(args: list[Any]) -> list[Any]:
+    """Fake example inputs for Inductor: ``args`` as they are when fake already (precompile's), else fakes of
+    the real ones in a mode of their own. Inductor hashes a real tensor's values into its cache key (it takes
+    it for a constant), so each rank's batch and weights would make a key of their own."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if detect_fake_mode(args) is not None:
+        return list(args)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def _written(key: str) -> bool:

@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
-from piper_compile.codegen import accumulate, cache, regional, warmup
+from piper_compile.codegen import accumulate, artifacts, cache, regional, warmup
 from piper_compile.knobs import knob
 from torch import fx
 
@@ -44,7 +44,9 @@ class CompiledSegment:
         self.fallback: str | None = None  # why Inductor failed, when this segment runs eagerly instead
         self.fallback_op: str | None = None  # the op Inductor failed on, when the error names one
         self.fallback_source: str | None = None  # the user's source line that op came from
-        self.outcomes: list[str] = []  # per graph compiled: "hit", "miss", "reused", "bypass" or "off"
+        # per graph compiled: "hit", "loaded" (a hit without re-trace: codegen/artifacts.py), "miss", "reused",
+        # "bypass" or "off"
+        self.outcomes: list[str] = []
         self.pieces = 1  # graphs the segment was cut into (codegen/regional.py: one per repeated block)
         self._cut: regional.Cut | None | bool = False  # False: not cut yet
         self._ahead: dict[tuple[Any, ...], Callable[[list[Any]], Any]] = {}  # compiled by precompile()
@@ -143,7 +145,7 @@ class CompiledSegment:
         """Inductor's FX graph cache for this segment: "miss" (a graph of it was compiled here), "hit"
         (loaded), "reused" (every graph's code was compiled in this process already), "bypass" or "off"."""
         for outcome in ("miss", "hit", "bypass", "off", "reused"):
-            if outcome in self.outcomes:
+            if outcome in self.outcomes or (outcome == "hit" and "loaded" in self.outcomes):
                 return outcome
         return ""
 
@@ -153,9 +155,19 @@ class CompiledSegment:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         warmup.wait()
+        use_cache = bool(knob("PIPER_INDUCTOR_CACHE"))
+        fast = artifacts.key(regional.structure_key(gm), _signature(args), cache.settings()) \
+            if use_cache and artifacts.enabled() else None
         with torch.no_grad():
+            if fast is not None:
+                loaded = artifacts.load(fast, cache.fakes_of(args))
+                if loaded is not None:
+                    return loaded, "loaded"
             static = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-            return cache.compile_once(static, args, use_cache=bool(knob("PIPER_INDUCTOR_CACHE")))
+            compiled, how = cache.compile_once(static, args, use_cache=use_cache)
+            if fast is not None and how in ("hit", "miss"):
+                artifacts.remember(fast, static, compiled)
+            return compiled, how
 
     def __call__(self, args: list[Any], key: Any = None, grads: tuple[Any, ...] = (), add: bool = False) -> list[Any]:
         """Run on ``args`` (the list is consumed: Inductor code clears it and drops each input after its

@@ -1,0 +1,131 @@
+"""Loading a segment's compiled code on a warm run without re-tracing it.
+
+On a cache hit, Inductor's FX graph cache still needs the graph it keys: ``codegen/compile.py`` re-traces
+each segment piece with ``make_fx`` at concrete shapes, and Inductor hashes the result
+(``FxGraphCache.prepare_key``) to find the entry it wrote last time. On a warm first step that is most of
+the compile time left (a third of a second per few graphs, plus Inductor's one-time hashing of its own
+sources). Both are the same for the same piece on the same inputs.
+
+So once Inductor has compiled or loaded a piece, piper writes down which FX-cache entry it was, keyed by
+what decides that entry: the piece's structure (``regional.structure_key``: ops, arguments, constants),
+its inputs' shapes, strides, dtypes and devices, Inductor's settings, autocast and SDPA state, the torch
+version, piper's source, and the machine (CPU capability, GPU name and capability, Triton version). A
+later run with the same key loads the entry directly (``FxGraphCache._lookup_graph``) and prepares it as
+Inductor does on a hit (``post_compile``), skipping the trace and the hashing. A missing or unreadable
+entry, a piece whose traced graph held constants, or any error on the way falls back to the full path:
+the shortcut can only cost a fallback, never different code.
+
+Inductor's load-by-key path is private and its signature moves between versions, so the shortcut is on by
+default only where it is tested (torch 2.13 and later; ``PIPER_FAST_LOAD``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from piper_compile.disk import cache_root, trace_settings
+from piper_compile.knobs import knob
+
+_SEEN: set[str] = set()  # keys whose record this process wrote or loaded (each is written once)
+
+
+def enabled() -> bool:
+    """``PIPER_FAST_LOAD``: ``auto`` is on from torch 2.13 (the Inductor internals it uses are tested there)."""
+    import torch._inductor.config as inductor_config
+
+    if inductor_config.triton.cudagraphs:  # a hit's preparation then needs what only compile_fx knows
+        return False
+    mode = knob("PIPER_FAST_LOAD")
+    if mode == "auto":
+        return _version() >= (2, 13)
+    return mode == "on"
+
+
+def _version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _machine() -> str:
+    """What of this machine decides Inductor's code beyond its configuration."""
+    parts = [platform.machine(), platform.python_version(), torch.backends.cpu.get_cpu_capability()]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        parts += [props.name, f"{props.major}.{props.minor}", str(torch.version.cuda)]
+        try:
+            from importlib.metadata import version
+
+            parts.append(version("triton"))
+        except Exception:  # noqa: BLE001 - no Triton: nothing of it decides the code
+            parts.append("-")
+    return "|".join(parts)
+
+
+def key(structure: str, signature: Any, settings: str) -> str:
+    """The key of a piece's FX-cache entry: its structure, its inputs' signature and everything else that
+    decides the code Inductor makes of it (see the module's docstring)."""
+    text = f"{structure}|{signature!r}|{settings}|{trace_settings()}|{_machine()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _path(k: str) -> str:
+    return os.path.join(cache_root(), "piper-artifacts", k)
+
+
+def remember(k: str, static: fx.GraphModule, compiled: Any) -> None:
+    """Write down the FX-cache entry ``compiled`` came from (a piece traced to ``static``); nothing for a
+    graph holding constants (loading it needs the traced graph) or an entry without a key."""
+    inductor_key = getattr(compiled, "_fx_graph_cache_key", None)
+    if k in _SEEN or not inductor_key or static.graph.find_nodes(op="get_attr"):
+        return
+    _SEEN.add(k)
+    path = _path(k)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(inductor_key)
+    os.replace(tmp, path)
+
+
+def load(k: str, fakes: list[Any]) -> Callable[[list[Any]], Any] | None:
+    """The compiled piece written down under ``k``, loaded from Inductor's cache for inputs like ``fakes``
+    (fake tensors); None when there is none or it cannot be loaded (the caller compiles as usual)."""
+    _SEEN.discard(k)  # written again after the full path unless it loads
+    try:
+        with open(_path(k)) as fh:
+            inductor_key = fh.read().strip()
+    except OSError:
+        return None
+    try:
+        graph = _lookup(inductor_key, fakes)
+    except Exception as e:  # noqa: BLE001 - the full path works without the shortcut
+        import logging
+
+        logging.getLogger(__name__).debug("piper: fast load of %s failed (%s); compiling as usual", k, e)
+        return None
+    if graph is not None:
+        _SEEN.add(k)
+    return graph
+
+
+def _lookup(inductor_key: str, fakes: list[Any]) -> Any:
+    """Inductor's cache-hit path for a known key: the entry, with the post-processing a hit gets."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    from torch._inductor.utils import BoxedBool
+
+    mode = detect_fake_mode(fakes)
+    with torch.utils._python_dispatch._disable_current_modes(), tracing(TracingContext(mode)):
+        constants = CompiledFxGraphConstants()
+        graph, _ = FxGraphCache._lookup_graph(inductor_key, fakes, True, None, constants)
+        if graph is None:
+            return None
+        graph.post_compile(fakes, constants, {"cudagraphs": BoxedBool(False), "is_backward": False,
+                                              "static_input_idxs": (), "boxed_forward_device_index": None})
+    return graph

@@ -1,0 +1,121 @@
+"""A warm run loads each compiled segment piece straight from the FX-graph-cache entry recorded for it
+(``codegen/artifacts.py``), without re-tracing or re-hashing it, and computes bitwise what compiling it
+did; whatever goes wrong on the way (no record, a record naming a missing entry, the knob off) falls back
+to the full path."""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+from torch import fx
+
+import piper_compile as piper
+from piper_compile.codegen import artifacts
+from piper_compile.codegen.compile import forget_compiled
+from piper_compile.testing.models import build_model
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _run(steps: int = 2) -> tuple[list[float], list[torch.Tensor], object]:
+    """Train a fresh 2-layer GPT as a new process would (nothing compiled in this one yet)."""
+    forget_compiled()
+    torch._dynamo.reset()
+    model = build_model("gpt", 0, layers=2)
+    step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD)
+    losses = [step(*model.make_batch(4, torch.Generator().manual_seed(s))).item() for s in range(steps)]
+    return losses, [p.detach().clone() for p in model.parameters()], piper.stats(step)
+
+
+def _same(a: tuple, b: tuple) -> None:
+    assert a[0] == b[0]
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.slow
+def test_a_warm_run_loads_every_piece_straight_and_matches_bitwise(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PIPER_FAST_LOAD", "on")
+    cold = _run()
+    graphs = cold[2].cache_misses + cold[2].cache_hits
+    assert cold[2].fast_loads == 0 and graphs >= 2
+    records = glob.glob(str(tmp_path / "piper-artifacts" / "*"))
+    assert len(records) == graphs, (records, cold[2])
+
+    warm = _run()
+    assert (warm[2].fast_loads, warm[2].cache_hits, warm[2].cache_misses) == (graphs, graphs, 0), warm[2]
+    _same(cold, warm)
+
+    # every record names an entry Inductor no longer has: each piece is compiled again, as without records
+    for d in glob.glob(str(tmp_path / "fxgraph" / "*")):
+        shutil.rmtree(d)
+    gone = _run()
+    assert gone[2].fast_loads == 0 and gone[2].cache_misses == graphs, gone[2]
+    _same(cold, gone)
+
+    # a damaged record: the full path finds the entry by hashing the re-traced piece
+    for r in records:
+        with open(r, "w") as fh:
+            fh.write("not-a-key")
+    damaged = _run()
+    assert damaged[2].fast_loads == 0 and damaged[2].cache_hits == graphs, damaged[2]
+    _same(cold, damaged)
+    assert all(open(r).read() != "not-a-key" for r in records)  # written again from the full path
+    assert _run()[2].fast_loads == graphs
+
+    monkeypatch.setenv("PIPER_FAST_LOAD", "off")
+    off = _run()
+    assert off[2].fast_loads == 0 and off[2].cache_hits == graphs, off[2]
+    _same(cold, off)
+
+
+def test_the_key_follows_structure_inputs_settings_and_autocast():
+    base = artifacts.key("s", (((4, 8), (8, 1), torch.float32, "cpu"),), "cfg")
+    assert base == artifacts.key("s", (((4, 8), (8, 1), torch.float32, "cpu"),), "cfg")
+    assert base != artifacts.key("t", (((4, 8), (8, 1), torch.float32, "cpu"),), "cfg")
+    assert base != artifacts.key("s", (((4, 8), (1, 4), torch.float32, "cpu"),), "cfg")
+    assert base != artifacts.key("s", (((4, 8), (8, 1), torch.bfloat16, "cpu"),), "cfg")
+    assert base != artifacts.key("s", (((4, 8), (8, 1), torch.float32, "cpu"),), "cfg2")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert base != artifacts.key("s", (((4, 8), (8, 1), torch.float32, "cpu"),), "cfg")
+
+
+class _Compiled:
+    _fx_graph_cache_key = "fabc"
+
+
+def test_a_piece_holding_constants_is_not_recorded_and_a_missing_record_loads_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    class WithConstant(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("c", torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (x + self.c,)
+
+    held = fx.symbolic_trace(WithConstant())
+    assert held.graph.find_nodes(op="get_attr")
+    artifacts.remember("k-held", held, _Compiled())
+    assert not os.path.exists(tmp_path / "piper-artifacts" / "k-held")
+    plain = fx.symbolic_trace(lambda x: (x * 2,))
+    artifacts.remember("k-plain", plain, _Compiled())
+    assert (tmp_path / "piper-artifacts" / "k-plain").read_text() == "fabc"
+    assert artifacts.load("k-missing", []) is None
+
+
+def test_auto_is_on_from_torch_2_13_and_off_with_cuda_graphs(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("PIPER_FAST_LOAD", "auto")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu128")
+    assert not artifacts.enabled()
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    assert artifacts.enabled()
+    monkeypatch.setattr(inductor_config.triton, "cudagraphs", True)
+    assert not artifacts.enabled()
