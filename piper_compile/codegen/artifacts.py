@@ -8,18 +8,20 @@ sources). Both are the same for the same piece on the same inputs.
 
 So once Inductor has compiled or loaded a piece, piper writes down which FX-cache entry it was, keyed by
 what decides that entry: the piece's structure (``regional.structure_key``: ops, arguments, constants),
-its inputs' shapes, strides, dtypes and devices, Inductor's settings, autocast and SDPA state, the torch
-version, piper's source, and the machine (CPU capability, GPU name and capability, Triton version). A
-later run with the same key loads the entry directly (``FxGraphCache._lookup_graph``) and prepares it as
-Inductor does on a hit (``post_compile``), skipping the trace and the hashing. A missing or unreadable
-entry, a piece whose traced graph held constants, or any error on the way falls back to the full path:
-the shortcut can only cost a fallback, never different code.
+its inputs' shapes, strides, dtypes and devices, Inductor's settings, autocast and SDPA state, torch's
+sources (Inductor's own ``torch_key``), piper's source, and the machine (CPU capability, GPU name and
+capability, Triton version). A later run with the same key loads the entry directly
+(``FxGraphCache._lookup_graph``) and prepares it as Inductor does on a hit (``post_compile``), skipping
+the trace and the hashing. A missing or unreadable entry, a piece whose traced graph held constants, or
+any error on the way falls back to the full path: the shortcut can only cost a fallback, never different
+code.
 
 Inductor's load-by-key path is private and its signature moves between versions, so the shortcut is on by
 default only where it is tested (torch 2.13 and later; ``PIPER_FAST_LOAD``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -51,9 +53,12 @@ def _version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+@functools.cache
 def _machine() -> str:
     """What of this machine decides Inductor's code beyond its configuration."""
-    parts = [platform.machine(), platform.python_version(), torch.backends.cpu.get_cpu_capability()]
+    from torch._inductor.codecache import torch_key  # a hash of torch's own sources, as Inductor keys by
+
+    parts = [platform.machine(), platform.python_version(), torch.backends.cpu.get_cpu_capability(), torch_key().hex()]
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         parts += [props.name, f"{props.major}.{props.minor}", str(torch.version.cuda)]

@@ -39,8 +39,8 @@ def settings() -> str:
     """What else decides Inductor's code: its configuration and torch's deterministic mode."""
     import torch._inductor.config as inductor_config
 
-    text = repr(sorted(inductor_config.save_config_portable().items())) + str(torch.are_deterministic_algorithms_enabled())
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    # the config module's own hash (kept until the configuration changes), as Inductor's cache key uses it
+    return f"{inductor_config.get_hash().hex()[:16]}{int(torch.are_deterministic_algorithms_enabled())}"
 
 
 def segment_key(static: fx.GraphModule, args: list[Any]) -> str:

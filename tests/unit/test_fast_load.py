@@ -117,5 +117,6 @@ def test_auto_is_on_from_torch_2_13_and_off_with_cuda_graphs(monkeypatch):
     assert not artifacts.enabled()
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     assert artifacts.enabled()
-    monkeypatch.setattr(inductor_config.triton, "cudagraphs", True)
-    assert not artifacts.enabled()
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        assert not artifacts.enabled()
+    assert artifacts.enabled()
