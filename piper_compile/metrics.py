@@ -188,12 +188,16 @@ def metrics_of(cs: Any) -> StepMetrics:
     else:
         mem = stats.peak_live_bytes + stats.peak_gathered_bytes + stats.peak_grad_bytes
     segs = [c for s in cs.state.steps for c in s.compiled.values()]
+
+    def count(*outcomes: str) -> int:
+        return sum(c.outcomes.count(o) for c in segs for o in outcomes)
+
     return StepMetrics(seconds, stats.samples, stats.samples * tokens_per_sample(cs, stats.symbols), flops, peak, source,
                        stats.compute_s, stats.update_s, stats.comm_wait_s, stats.p2p_wait_s, mem, note,
                        len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
                        sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps),
-                       *(sum(c.outcomes.count(o) for c in segs for o in os) for os in (("hit", "loaded"), ("miss",), ("reused",))),
-                       cs.joint.how, cs.joint.seconds, sum(c.outcomes.count("loaded") for c in segs))
+                       count("hit", "loaded"), count("miss"), count("reused"), cs.joint.how, cs.joint.seconds,
+                       count("loaded"))
 
 
 def stats(step: Any) -> StepMetrics:
