@@ -8,9 +8,10 @@ sources). Both are the same for the same piece on the same inputs.
 
 So once Inductor has compiled or loaded a piece, piper writes down which FX-cache entry it was, keyed by
 what decides that entry: the piece's structure (``regional.structure_key``: ops, arguments, constants),
-its inputs' shapes, strides, dtypes and devices, Inductor's settings, autocast and SDPA state, torch's
+its inputs' shapes, strides, dtypes and devices, Inductor's settings and the other process-wide settings
+its own key reads (thread count, default dtype, matmul precision, ...), autocast and SDPA state, torch's
 sources (Inductor's own ``torch_key``), piper's source, and the machine (CPU capability, GPU name and
-capability, Triton version). A later run with the same key loads the entry directly
+capability, Triton version); a run with a custom Inductor pass set takes the full path. A later run with the same key loads the entry directly
 (``FxGraphCache._lookup_graph``) and prepares it as Inductor does on a hit (``post_compile``), skipping
 the trace and the hashing. A missing or unreadable entry, a piece whose traced graph held constants, or
 any error on the way falls back to the full path: the shortcut can only cost a fallback, never different
@@ -71,10 +72,42 @@ def _machine() -> str:
     return "|".join(parts)
 
 
-def key(structure: str, signature: Any, settings: str) -> str:
+_CUSTOM_PASSES = ("pre_grad_custom_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+                  "joint_custom_pre_pass", "joint_custom_post_pass", "_pre_fusion_custom_pass",
+                  "_post_fusion_custom_pass", "custom_partitioner_fn")
+
+
+def _process() -> str | None:
+    """The process-wide settings Inductor's own key reads besides its configuration (``FxGraphHashDetails``):
+    C++ thread count, default dtype, CUDA matmul precision, determinism details, cache tag, provenance
+    level, the current device; None when a custom Inductor pass is set (its effect is not in any key piper
+    can compute, so such runs take the full path)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen.common import custom_backend_passes
+    from torch._inductor.utils import parallel_num_threads
+
+    if any(getattr(inductor_config, name, None) is not None for name in _CUSTOM_PASSES) \
+            or any(p is not None for p in custom_backend_passes.values()):
+        return None
+    matmul = torch.backends.cuda.matmul
+    return repr((parallel_num_threads(), torch.get_default_dtype(),
+                 [getattr(matmul, a, None) for a in ("fp32_precision", "allow_tf32",
+                                                     "allow_fp16_reduced_precision_reduction",
+                                                     "allow_bf16_reduced_precision_reduction")],
+                 torch.is_deterministic_algorithms_warn_only_enabled(),
+                 torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+                 torch.compiler.config.cache_key_tag, inductor_config.trace.provenance_tracking_level,
+                 getattr(inductor_config, "_fuse_ddp_communication_passes", None),
+                 torch.cuda.current_device() if torch.cuda.is_available() else -1))
+
+
+def key(structure: str, signature: Any, settings: str) -> str | None:
     """The key of a piece's FX-cache entry: its structure, its inputs' signature and everything else that
-    decides the code Inductor makes of it (see the module's docstring)."""
-    text = f"{structure}|{signature!r}|{settings}|{trace_settings()}|{_machine()}"
+    decides the code Inductor makes of it (see the module's docstring); None where piper cannot tell."""
+    process = _process()
+    if process is None:
+        return None
+    text = f"{structure}|{signature!r}|{settings}|{trace_settings()}|{process}|{_machine()}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

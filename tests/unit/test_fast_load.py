@@ -84,6 +84,28 @@ def test_the_key_follows_structure_inputs_settings_and_autocast():
         assert base != artifacts.key("s", (((4, 8), (8, 1), torch.float32, "cpu"),), "cfg")
 
 
+def test_the_key_follows_what_inductors_own_key_reads_of_the_process():
+    import torch._inductor.config as inductor_config
+
+    sig = (((4, 8), (8, 1), torch.float32, "cpu"),)
+    base = artifacts.key("s", sig, "cfg")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # Inductor's C++ kernels specialize on it
+        assert artifacts.key("s", sig, "cfg") != base
+    finally:
+        torch.set_num_threads(threads)
+    dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)  # factory ops without a dtype lower with it
+        assert artifacts.key("s", sig, "cfg") != base
+    finally:
+        torch.set_default_dtype(dtype)
+    with inductor_config.patch({"post_grad_custom_post_pass": lambda g: None}):
+        assert artifacts.key("s", sig, "cfg") is None  # a custom pass: no key piper can compute
+    assert artifacts.key("s", sig, "cfg") == base
+
+
 class _Compiled:
     _fx_graph_cache_key = "fabc"
 
