@@ -52,6 +52,15 @@ def constant_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
+TESTED_TORCH = (2, 13)  # the oldest torch whose private internals the caches use are tested here
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity where the platform tells it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

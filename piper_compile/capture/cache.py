@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.disk import cache_root, one_at_a_time, constant_bytes, trace_settings, usable_cores
+from piper_compile.disk import (TESTED_TORCH, cache_root, constant_bytes, one_at_a_time, torch_version,
+                                 trace_settings, usable_cores)
 from piper_compile.knobs import knob
 
 log = logging.getLogger(__name__)
@@ -231,14 +232,6 @@ def _take_turns(mode: str) -> bool:
     return 2 * _local_ranks() > usable_cores()
 
 
-TESTED_TORCH = (2, 13)  # the oldest torch whose GraphPickler round trip the tests check
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
 def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],
              export: Callable[[fx.GraphModule, tuple[Any, ...]], fx.GraphModule]) -> tuple[fx.GraphModule, str]:
     """``export(gm, fakes)``, or what an earlier export of the same key wrote: (graph, how) with how
@@ -246,7 +239,7 @@ def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],
     or "off" (``PIPER_CAPTURE_CACHE``; "auto" is off on a torch older than ``TESTED_TORCH``, whose
     ``GraphPickler``, a private module, no test here has run: an entry must never load subtly different)."""
     mode = knob("PIPER_CAPTURE_CACHE")
-    if mode == "off" or (mode == "auto" and _torch_version() < TESTED_TORCH):
+    if mode == "off" or (mode == "auto" and torch_version() < TESTED_TORCH):
         return export(gm, fakes), "off"
     key = joint_key(gm, fakes)
     if key is None:

@@ -31,11 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.disk import cache_root, trace_settings
+from piper_compile.disk import TESTED_TORCH, cache_root, torch_version, trace_settings
 from piper_compile.knobs import knob
-
-_SEEN: set[str] = set()  # keys whose record this process wrote or loaded (each is written once)
-
 
 def enabled() -> bool:
     """``PIPER_FAST_LOAD``: ``auto`` is on from torch 2.13 (the Inductor internals it uses are tested there)."""
@@ -45,13 +42,8 @@ def enabled() -> bool:
         return False
     mode = knob("PIPER_FAST_LOAD")
     if mode == "auto":
-        return _version() >= (2, 13)
+        return torch_version() >= TESTED_TORCH
     return mode == "on"
-
-
-def _version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 @functools.cache
@@ -115,40 +107,47 @@ def _path(k: str) -> str:
     return os.path.join(cache_root(), "piper-artifacts", k)
 
 
-def remember(k: str, static: fx.GraphModule, compiled: Any) -> None:
-    """Write down the FX-cache entry ``compiled`` came from (a piece traced to ``static``); nothing for a
-    graph holding constants (loading it needs the traced graph) or an entry without a key."""
-    inductor_key = getattr(compiled, "_fx_graph_cache_key", None)
-    if k in _SEEN or not inductor_key or static.graph.find_nodes(op="get_attr"):
-        return
-    _SEEN.add(k)
-    path = _path(k)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(inductor_key)
-    os.replace(tmp, path)
-
-
-def load(k: str, fakes: list[Any]) -> Callable[[list[Any]], Any] | None:
-    """The compiled piece written down under ``k``, loaded from Inductor's cache for inputs like ``fakes``
-    (fake tensors); None when there is none or it cannot be loaded (the caller compiles as usual)."""
-    _SEEN.discard(k)  # written again after the full path unless it loads
+def _recorded(k: str) -> str | None:
     try:
         with open(_path(k)) as fh:
-            inductor_key = fh.read().strip()
+            return fh.read().strip()
     except OSError:
         return None
+
+
+def remember(k: str, static: fx.GraphModule, compiled: Any) -> None:
+    """Write down the FX-cache entry ``compiled`` came from (a piece traced to ``static``), unless the record
+    names it already; nothing for a graph holding constants (loading it needs the traced graph), an entry
+    without a key, or a cache directory that cannot be written."""
+    inductor_key = getattr(compiled, "_fx_graph_cache_key", None)
+    if not inductor_key or static.graph.find_nodes(op="get_attr") or _recorded(k) == inductor_key:
+        return
+    path = _path(k)
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        graph = _lookup(inductor_key, fakes)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as fh:
+            fh.write(inductor_key)
+        os.replace(tmp, path)  # readers see a whole record or none
+    except OSError:
+        pass  # only the shortcut is lost
+
+
+def load(k: str, args: list[Any]) -> Callable[[list[Any]], Any] | None:
+    """The compiled piece written down under ``k``, loaded from Inductor's cache for inputs like ``args``;
+    None when there is none or it cannot be loaded (the caller compiles as usual)."""
+    inductor_key = _recorded(k)
+    if inductor_key is None:
+        return None
+    from piper_compile.codegen.cache import fakes_of
+
+    try:
+        return _lookup(inductor_key, fakes_of(args))
     except Exception as e:  # noqa: BLE001 - the full path works without the shortcut
         import logging
 
         logging.getLogger(__name__).debug("piper: fast load of %s failed (%s); compiling as usual", k, e)
         return None
-    if graph is not None:
-        _SEEN.add(k)
-    return graph
 
 
 def _lookup(inductor_key: str, fakes: list[Any]) -> Any:

@@ -119,7 +119,7 @@ class CompiledSegment:
             self.compile_seconds += time.perf_counter() - t0
             return _TRACED[same]
         try:
-            compiled, outcome = self._inductor(gm, args)
+            compiled, outcome = self._inductor(gm, args, same)
             self.outcomes.append(outcome)
             _TRACED[same] = compiled
         except Exception as e:  # noqa: BLE001 - an Inductor bug must not stop training
@@ -149,18 +149,18 @@ class CompiledSegment:
                 return outcome
         return ""
 
-    def _inductor(self, gm: fx.GraphModule, args: list[Any]) -> tuple[Any, str]:
-        """(compiled function, cache outcome) of ``gm`` traced for ``args``' concrete shapes."""
+    def _inductor(self, gm: fx.GraphModule, args: list[Any], same: tuple[str, Signature, str]) -> tuple[Any, str]:
+        """(compiled function, cache outcome) of ``gm`` traced for ``args``' concrete shapes; ``same`` is its
+        (structure key, input signature, Inductor settings)."""
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
         warmup.wait()
         use_cache = bool(knob("PIPER_INDUCTOR_CACHE"))
-        fast = artifacts.key(regional.structure_key(gm), _signature(args), cache.settings()) \
-            if use_cache and artifacts.enabled() else None
+        fast = artifacts.key(*same) if use_cache and artifacts.enabled() else None
         with torch.no_grad():
             if fast is not None:
-                loaded = artifacts.load(fast, cache.fakes_of(args))
+                loaded = artifacts.load(fast, args)
                 if loaded is not None:
                     return loaded, "loaded"
             static = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)

@@ -101,7 +101,7 @@ def test_explain_lists_program():
 def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch):
     from piper_compile.codegen.compile import CompiledSegment, forget_compiled
 
-    def broken(self, gm, args):
+    def broken(self, gm, args, same):
         raise AssertionError("simulated Inductor bug")
 
     monkeypatch.setattr(CompiledSegment, "_inductor", broken)
@@ -126,7 +126,7 @@ def test_an_inductor_fallback_names_the_op_and_the_source_line(monkeypatch, how)
 
     tanh = torch.ops.aten.tanh.default
 
-    def broken(self, gm, args):
+    def broken(self, gm, args, same):
         if how == "lowering":  # as Inductor reports a lowering that failed
             raise InductorError(LoweringException(RuntimeError("no lowering"), tanh, [], {}), None)
         raise DataDependentOutputException(tanh)

@@ -129,6 +129,9 @@ def test_a_piece_holding_constants_is_not_recorded_and_a_missing_record_loads_no
     artifacts.remember("k-plain", plain, _Compiled())
     assert (tmp_path / "piper-artifacts" / "k-plain").read_text() == "fabc"
     assert artifacts.load("k-missing", []) is None
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(artifacts, "_path", lambda k: str(tmp_path / "a-file" / k))
+    artifacts.remember("k-unwritable", plain, _Compiled())  # a cache directory that cannot be written: no record
 
 
 def test_auto_is_on_from_torch_2_13_and_off_with_cuda_graphs(monkeypatch):

@@ -99,10 +99,10 @@ def test_regional_compilation_matches_the_whole_graph_and_compiles_each_block_on
 def test_a_piece_inductor_cannot_compile_runs_eagerly_and_names_the_piece(monkeypatch):
     real = CompiledSegment._inductor
 
-    def broken_blocks(self, gm, args):
+    def broken_blocks(self, gm, args, same):
         if any(n.op == "call_function" and "scaled_dot_product" in str(n.target) for n in gm.graph.nodes):
             raise AssertionError("simulated Inductor bug")
-        return real(self, gm, args)
+        return real(self, gm, args, same)
 
     monkeypatch.setattr(CompiledSegment, "_inductor", broken_blocks)
     forget_compiled()
