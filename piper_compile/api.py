@@ -187,12 +187,26 @@ def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_si
     return CompiledStep(traced.gm, traced.inputs, opts, world=(0, world_size), sources=traced.sources, link=linked)
 
 
+def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> None:
+    """Repeated blocks become nested compile regions (``capture/blocks.py``) unless the directives rule it
+    out; directives that do not parse are left for the first call to report."""
+    from piper_compile.capture.blocks import mark_repeated_blocks, wanted
+
+    try:
+        directives = Options.parse(opts).directives
+    except PiperError:
+        return
+    if wanted(directives):
+        mark_repeated_blocks(model)
+
+
 def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Module:  # noqa: A001 - piper.compile
     """``torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options={"directives": ..., **options})``
     plus an explicit link from the compiled step to ``model`` (``runtime/registry.ModelLink``): what
     ``options["mixed_precision"]`` needs (piper traces the model again in the compute dtype), and how
     ``piper.optimizer(step)`` and ``model.state_dict()`` find the step's training state."""
     opts = {**options, "directives": list(directives)}
+    _mark_blocks(model, opts)
     compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
     linked = link(model, opts)
     linked.handle = compiled.register_forward_pre_hook(linked.record, with_kwargs=True)

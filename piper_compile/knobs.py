@@ -100,6 +100,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_REGIONAL", "flag", True, "regional compilation: a segment holding repeated blocks (the children "
          "of one ModuleList, like a transformer's layers) is compiled block by block, so identical blocks compile "
          "once (0: each segment is compiled as one graph)"),
+    Knob("PIPER_NESTED_REGIONS", "choice", "auto", "piper.compile marks the blocks of a module list whose "
+         "children are alike (a transformer's layers) as nested compile regions: Dynamo traces one block and "
+         "AOTAutograd exports its forward and backward once, so capture does not grow with the layer count. 'auto' "
+         "is on from torch 2.13 (where it is tested) unless shard_tensor rewrites the layers; 'off' traces every block", choices=("auto", "on", "off")),
     Knob("PIPER_FUSED_GRADS", "flag", True, "backward segments accumulate their parameter gradients into the "
          "gradient buffers themselves (the first micro-batch overwrites, later ones add, inside the compiled "
          "kernels) instead of returning them for the runtime to add (0: the runtime adds them)"),

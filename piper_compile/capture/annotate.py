@@ -7,6 +7,7 @@ backward nodes of the joint graph. ``annotate("PP")`` auto-indexes: every entry 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -32,17 +33,30 @@ def _annotate_module(module: nn.Module, tags: dict[str, Any]) -> nn.Module:
     if issubclass(cls, _ModuleAnnotation):
         module._piper_tags = {**module._piper_tags, **tags}  # type: ignore[attr-defined]
         return module
+    module.__class__ = _annotated_class(cls)
+    module._piper_tags = dict(tags)  # type: ignore[attr-defined]
+    return module
+
+
+_ANNOTATED: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _annotated_class(cls: type) -> type:
+    """One subclass per annotated class, not per instance: Dynamo traces it like any module, and the
+    blocks of a stack keep one type, so a nested compile region traced for one is reused for the others
+    (its guards match the module's type)."""
+    made = _ANNOTATED.get(cls)
+    if made is not None:
+        return made
     base_forward = cls.forward
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with fx_traceback.annotate(dict(self._piper_tags)):
             return base_forward(self, *args, **kwargs)
 
-    # A subclass per annotated class (not per instance): Dynamo traces it like any module.
-    module.__class__ = type(f"Piper{cls.__name__}", (cls, _ModuleAnnotation),
-                            {"forward": forward, "__module__": cls.__module__})
-    module._piper_tags = dict(tags)  # type: ignore[attr-defined]
-    return module
+    made = type(f"Piper{cls.__name__}", (cls, _ModuleAnnotation), {"forward": forward, "__module__": cls.__module__})
+    _ANNOTATED[cls] = made
+    return made
 
 
 def annotate(target: nn.Module | str | None = None, /, **tags: int | str) -> Any:

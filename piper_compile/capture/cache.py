@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import logging
 import os
+import re
 import tempfile
 from typing import Any, Callable
 
@@ -87,8 +88,18 @@ def _target_text(target: Any) -> str | None:
         return None
 
 
-def _graph_text(gm: fx.GraphModule, h: Any) -> bool:
+_REGION_NAME = re.compile(r"\bsubgraph_\d+\b")
+
+
+def _canonical(text: str, names: dict[str, str]) -> str:
+    """``text`` with Dynamo's nested-region names (``subgraph_3``: a count per process, so a second model
+    traced in one process gets other numbers) numbered by first appearance in the graph instead."""
+    return _REGION_NAME.sub(lambda m: names.setdefault(m.group(0), f"region_{len(names)}"), text)
+
+
+def _graph_text(gm: fx.GraphModule, h: Any, names: dict[str, str] | None = None) -> bool:
     """Feed ``gm``'s nodes (and its subgraphs and constants) into ``h``; False when one cannot be keyed."""
+    names = {} if names is None else names
     for node in gm.graph.nodes:
         if node.op == "call_module":
             return False
@@ -97,16 +108,17 @@ def _graph_text(gm: fx.GraphModule, h: Any) -> bool:
             return False
         stacks = [[(p, getattr(c, "__qualname__", str(c))) for p, c in (node.meta.get(k) or {}).values()]
                   for k in _STACKS]
-        h.update(f"{node.op}|{node.name}|{target}|{node.args}|{node.kwargs}|{node.meta.get('custom')}|"
-                 f"{node.meta.get('stack_trace')}|{stacks}|{_value_text(node.meta.get('example_value'))}\n".encode())
-        if node.op == "get_attr" and not _attr_text(getattr(gm, str(node.target), None), h):
+        h.update(_canonical(f"{node.op}|{node.name}|{target}|{node.args}|{node.kwargs}|{node.meta.get('custom')}|"
+                            f"{node.meta.get('stack_trace')}|{stacks}|{_value_text(node.meta.get('example_value'))}\n",
+                            names).encode())
+        if node.op == "get_attr" and not _attr_text(getattr(gm, str(node.target), None), h, names):
             return False
     return True
 
 
-def _attr_text(value: Any, h: Any) -> bool:
+def _attr_text(value: Any, h: Any, names: dict[str, str]) -> bool:
     if isinstance(value, fx.GraphModule):
-        return _graph_text(value, h)
+        return _graph_text(value, h, names)
     if isinstance(value, torch.Tensor):
         h.update(_value_text(value).encode())
         if value.device.type != "meta" and not isinstance(value, torch._subclasses.FakeTensor):
@@ -155,12 +167,17 @@ def _pickler() -> Any:
     return Pickler
 
 
+def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the bodies of its nested compile regions."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
 def _dumps(jgm: fx.GraphModule) -> bytes:
     from torch.fx._graph_pickler import Options
 
-    saved = {n: n.meta for n in jgm.graph.nodes}
+    saved = {n: n.meta for g in _graphs(jgm) for n in g.graph.nodes}
     try:
-        for n in jgm.graph.nodes:
+        for n in saved:
             n.meta = _clean_meta(n.meta)
         return _pickler().dumps(jgm, Options(ops_filter=None, node_metadata_key_filter=None))
     finally:

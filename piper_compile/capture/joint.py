@@ -17,6 +17,7 @@ from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from piper_compile.capture.cache import exported
+from piper_compile.capture.subgraphs import inline_subgraphs, schemas_once
 from piper_compile.errors import PiperCaptureError
 from piper_compile.ir.dag import BUFFER_PREFIX, PARAM_PREFIX
 from piper_compile.ir.dims import dim_value
@@ -52,6 +53,7 @@ class JointGraph:
     dynamo_gm: fx.GraphModule
     how: str = "captured"  # "captured", "loaded" (capture/cache.py), "uncacheable" or "off"
     seconds: float = 0.0  # the joint export's (or its load's) wall time
+    region_calls: int = 0  # nested compile region calls inlined (capture/subgraphs.py)
 
     def symbol_values(self, args: Any, mb_size: int) -> dict[str, int]:
         """The size symbols' values in a call with ``args`` split into micro-batches of ``mb_size``."""
@@ -193,8 +195,9 @@ def _batched(val: Any, symbols: frozenset[Any]) -> bool:
 def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbols: frozenset[Any] = frozenset()) -> str | None:
     """Name the first op of Dynamo's graph that hard-codes the batch size: with a static batch, the
     first op holding the literal; with a symbolic one, an op that turns a batched input into an output
-    whose leading dimension is that literal (``x.view(8, -1)``), which would run wrong on micro-batches."""
-    for node in gm.graph.nodes:
+    whose leading dimension is that literal (``x.view(8, -1)``), which would run wrong on micro-batches.
+    The bodies of nested compile regions are searched too."""
+    for node in (n for g in gm.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         literal = batch in _int_args(node)
@@ -231,19 +234,32 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
         fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
     t0 = time.perf_counter()
     jgm, how = exported(gm, tuple(fakes), _export_joint)
+    regions = inline_subgraphs(jgm)  # after the cache: an entry keeps the compact graph
     seconds = time.perf_counter() - t0
     final_specs, value_of = _joint_inputs(jgm, specs)
     loss, grad_of = _joint_outputs(jgm, specs)
     batch_symbols, batch_size = _batch_symbols(specs, gm)
     _mark_batched(gm, specs, final_specs, batch_symbols)
     return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm,
-                      how, seconds)
+                      how, seconds, regions)
+
+
+def _tracing_context(fakes: tuple[Any, ...]) -> Any:
+    """A tracing context for the export, as Dynamo's own compile has: where AOTAutograd keeps what it
+    traced of each nested compile region, so a region called k times is traced once, not k times."""
+    from torch._guards import TracingContext, tracing
+
+    if TracingContext.try_get() is not None:
+        return contextlib.nullcontext()
+    return tracing(TracingContext(torch._guards.detect_fake_mode(fakes)))
 
 
 def _export_joint(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> fx.GraphModule:
     """AOTAutograd's joint forward+backward graph of ``gm``, with flat placeholders and outputs."""
     try:
         with contextlib.ExitStack() as stack, torch.enable_grad():
+            stack.enter_context(_tracing_context(fakes))
+            stack.enter_context(schemas_once())
             jgm = aot_export_joint_with_descriptors(stack, gm, fakes).graph_module
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise PiperCaptureError(

@@ -55,24 +55,35 @@ def specialize_floats_pass(ctx: GraphContext) -> None:
     values at capture become constants, as ``torch._dynamo.config.specialize_float`` would make them;
     the step checks every call that they did not change (``ctx.float_constants``). Floats passed as
     forward arguments stay inputs."""
+    from piper_compile.capture.subgraphs import read_as_constant, specialize_region_floats
+
+    found = _float_attributes(ctx)
+    specialize_region_floats(ctx.gm, {ph: value for ph, (_, _, value) in found.items()})
+    for ph, (i, src, value) in found.items():
+        for item in [u for u in ph.users if u.op == "call_method" and u.target == "item"]:
+            read_as_constant(item, value)
+        ctx.float_constants[i] = (src, value)
+    if ctx.float_constants:
+        ctx.gm.recompile()
+
+
+def _float_attributes(ctx: GraphContext) -> dict[fx.Node, tuple[int, str, float]]:
+    """The placeholders that are a float attribute of the model read with ``.item()`` (directly, or
+    inside the nested compile regions they are passed to): (position, source, value)."""
     import torch
 
+    from piper_compile.capture.subgraphs import invoke_subgraph
+
+    found: dict[fx.Node, tuple[int, str, float]] = {}
     for i, ph in enumerate(ctx.gm.graph.find_nodes(op="placeholder")):
         ex = ctx.example_inputs[i] if i < len(ctx.example_inputs) else None
         src = ctx.sources[i] if i < len(ctx.sources) else ""
         users = list(ph.users)
-        if not (isinstance(ex, torch.Tensor) and ex.dim() == 0 and ex.dtype == torch.float64 and src.startswith("L['self']")
-                and users and all(u.op == "call_method" and u.target == "item" for u in users)):
-            continue
-        value = float(ex)
-        for item in users:
-            for user in list(item.users):
-                user.args = fx.node.map_arg(user.args, lambda a, item=item: value if a is item else a)
-                user.kwargs = fx.node.map_arg(user.kwargs, lambda a, item=item: value if a is item else a)
-            ctx.gm.graph.erase_node(item)
-        ctx.float_constants[i] = (src, value)
-    if ctx.float_constants:
-        ctx.gm.recompile()
+        if (isinstance(ex, torch.Tensor) and ex.dim() == 0 and ex.dtype == torch.float64 and src.startswith("L['self']")
+                and users and all((u.op == "call_method" and u.target == "item") or u.target is invoke_subgraph()
+                                  for u in users)):
+            found[ph] = (i, src, float(ex))
+    return found
 
 
 def shard_linears_pass(ctx: GraphContext) -> None:
@@ -82,6 +93,9 @@ def shard_linears_pass(ctx: GraphContext) -> None:
 
     found = ctx.shard_tensor()
     if found is not None:
+        from piper_compile.capture.subgraphs import inline_subgraphs
+
+        inline_subgraphs(ctx.gm, joint=False)  # the layers are split one by one: a shared body cannot be
         d, size = found
         ctx.tp_shards, ctx.local_shapes = shard_linears(ctx.gm, ctx.sources, d.params, size)
 

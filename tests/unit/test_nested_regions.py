@@ -1,0 +1,157 @@
+"""Repeated blocks as nested compile regions (``capture/blocks.py``, ``capture/subgraphs.py``): piper marks
+them, Dynamo and AOTAutograd trace one block, and the inlined joint graph trains exactly like a capture
+without regions."""
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import fx, nn
+
+import piper_compile as piper
+from piper_compile.capture import blocks
+from piper_compile.capture.regions import block_of
+from piper_compile.capture.subgraphs import calls_of
+from piper_compile.testing.models import GPT, GPTConfig, build_model
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _train(model: nn.Module, directives: list[Any], steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], Any, Any]:
+    """Losses, parameters after ``steps`` steps, the compiled step and the compiled module."""
+    batch = model.make_batch(8, torch.Generator().manual_seed(1))
+    step = piper.compile(model, directives=directives, optimizer=SGD)
+    losses = [float(step(*batch).detach()) for _ in range(steps)]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, piper.compiled_steps(step)[0], step
+
+
+def _summary(gm: fx.GraphModule) -> collections.Counter:
+    """Each op of the joint graph with its pass, tags and block (node names and order aside)."""
+    return collections.Counter(
+        (str(n.target), n.meta.get("partitioner_tag"), tuple(sorted((n.meta.get("custom") or {}).items())),
+         (block_of(n) or ("",))[0]) for n in gm.graph.nodes
+        if n.op == "call_function" and "sym_size" not in str(n.target) and str(n.target) != "<built-in function mul>")
+
+
+def _gpt(**kw: Any) -> GPT:
+    return build_model("gpt", 0, layers=4, dim=32, heads=2, **kw)  # type: ignore[return-value]
+
+
+def test_the_blocks_of_a_module_list_are_marked_once_and_keep_their_tags(monkeypatch):
+    model = _gpt()
+    model.annotate_stages(2)
+    assert blocks.repeated_lists(model) == ["blocks"]
+    assert blocks.mark_repeated_blocks(model) == ["blocks"]
+    kinds = {type(b) for b in model.blocks}
+    assert len(kinds) == 1 and issubclass(kinds.pop(), blocks._Region)
+    assert [b._piper_tags for b in model.blocks] == [{"PP": 0}, {"PP": 0}, {"PP": 1}, {"PP": 1}]
+    again = type(model.blocks[0])
+    blocks.mark_repeated_blocks(model)
+    assert type(model.blocks[0]) is again  # marking twice changes nothing
+    piper.annotate(model.blocks[3], PP=2)  # tags after marking stay outside the region
+    assert type(model.blocks[3]) is again and model.blocks[3]._piper_tags == {"PP": 2}
+
+
+def test_unlike_blocks_single_layers_and_blocks_with_tags_inside_are_not_marked():
+    mlp = build_model("mlp")
+    assert blocks.repeated_lists(mlp) == []  # a Linear per layer: one op, nothing to stamp out
+    moe = build_model("moegpt", 0, layers=2, experts=2, top_k=1)
+    assert blocks.repeated_lists(moe) == []  # each block's MoE carries its own EP tag
+    mixed = _gpt()
+    mixed.blocks[1].fc = nn.Linear(32, 64)
+    assert blocks.repeated_lists(mixed) == []
+
+
+def test_the_knob_and_shard_tensor_turn_marking_off(monkeypatch):
+    from piper_compile.options import Options
+
+    tp = Options.parse({"directives": [piper.shard_tensor({"blocks.*.fc": "colwise"})]}).directives
+    assert blocks.wanted([]) is True
+    assert blocks.wanted(tp) is False  # shard_tensor splits the layers one by one
+    monkeypatch.setenv("PIPER_NESTED_REGIONS", "on")
+    assert blocks.wanted(tp) is True
+    monkeypatch.setenv("PIPER_NESTED_REGIONS", "off")
+    assert blocks.wanted([]) is False
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_regions_train_bitwise_like_a_flat_capture(monkeypatch, stages):
+    runs = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setenv("PIPER_NESTED_REGIONS", mode)
+        monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+        model = _gpt()
+        if stages > 1:
+            model.annotate_stages(stages)
+        runs[mode] = _train(model, [piper.split(2)])
+    (flat_losses, flat_params, flat, _), (losses, params, nested, _) = runs["off"], runs["auto"]
+    assert nested.joint.region_calls == 8 and flat.joint.region_calls == 0  # 4 forward + 4 backward calls
+    assert not calls_of(nested.joint.gm) and not list(nested.joint.gm.named_children())
+    assert _summary(nested.joint.gm) == _summary(flat.joint.gm)
+    assert sorted(nested.segments) == sorted(flat.segments)
+    assert losses == flat_losses
+    for k in flat_params:
+        assert torch.equal(params[k], flat_params[k]), k
+
+
+def test_float_attributes_inside_regions_become_constants(monkeypatch):
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+    model = _gpt()
+    _, _, step, module = _train(model, [piper.split(1)], steps=1)
+    eps = sorted(src for src, _ in step.float_constants.values())
+    assert sum("ln1" in s for s in eps) == 4 and sum("ln2" in s for s in eps) == 4, eps
+    assert step.joint.region_calls == 8
+    assert piper.stats(module).fallbacks == 0
+
+
+def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkeypatch):
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+    runs = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setenv("PIPER_NESTED_REGIONS", mode)
+        model = _gpt()
+        model.blocks[2].ln1.eps = 1e-3  # one body cannot hold both values
+        runs[mode] = _train(model, [piper.split(1)])
+    assert runs["auto"][2].joint.region_calls == 0  # inlined in Dynamo's graph before the export
+    assert runs["auto"][0] == runs["off"][0]
+    assert {k: v for k, v in runs["auto"][2].float_constants.values()} == \
+        {k: v for k, v in runs["off"][2].float_constants.values()}
+    for k, v in runs["off"][1].items():
+        assert torch.equal(runs["auto"][1][k], v), k
+
+
+def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch):
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+    torch.manual_seed(0)
+    flat = GPT(GPTConfig(dim=32, heads=2, layers=3))
+    marked = GPT(GPTConfig(dim=32, heads=2, layers=3))
+    marked.load_state_dict(flat.state_dict())
+    region = blocks.region_class(type(marked.blocks[0]))
+    for b in marked.blocks:
+        b.__class__ = region
+    batch = flat.make_batch(8, torch.Generator().manual_seed(1))
+    opts = {"directives": [piper.split(2)], "optimizer": SGD}
+    a = torch.compile(flat, backend="piper", options=opts, dynamic=True, fullgraph=True)
+    b = torch.compile(marked, backend="piper", options=opts, dynamic=True, fullgraph=True)
+    for _ in range(2):
+        assert float(a(*batch).detach()) == float(b(*batch).detach())
+    assert piper.compiled_steps(b)[0].joint.region_calls == 6
+    for (k, v), w in zip(flat.state_dict().items(), marked.state_dict().values()):
+        assert torch.equal(v, w), k
+
+
+def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "each")
+    first = _train(_gpt(), [piper.split(2)])
+    torch._dynamo.reset()  # else Dynamo's entry for GPT.forward runs the first step again (with this model's weights)
+    second = _train(_gpt(), [piper.split(2)])
+    assert (first[2].joint.how, second[2].joint.how) == ("captured", "loaded")
+    assert second[2].joint.region_calls == 8
+    assert _summary(first[2].joint.gm) == _summary(second[2].joint.gm)
+    assert first[0] == second[0]
+    for k, v in first[1].items():
+        assert torch.equal(second[1][k], v), k
