@@ -14,7 +14,9 @@ during it (compilation is CPU work; on 2 shared cores ranks compiling at once sl
     piper DualPipeV   dualpipe_v(2, 4), 2 ranks
 
 Each piper variant compiles repeated blocks once (regional compilation, ``codegen/regional.py``); with
-``--whole`` it also runs with ``PIPER_REGIONAL=0`` (each segment one graph). ``step ms`` is the mean of
+``--whole`` it also runs with ``PIPER_REGIONAL=0`` (each segment one graph). ``piper.compile`` traces
+repeated blocks once (nested compile regions, ``capture/blocks.py``); ``--flat`` also runs each piper
+variant with ``PIPER_NESTED_REGIONS=off`` (every block traced and exported). ``step ms`` is the mean of
 the next 5 steps of the warm run (the slowest rank): what regional compilation costs at run time.
 ``cold RSS MiB`` is the largest peak RSS of a rank process in the cold run (Inductor's compile workers are
 processes of their own): run once with ``PIPER_PRECOMPILE=0`` to see what precompiling costs in memory.
@@ -46,6 +48,11 @@ from piper_compile.testing.models import GPT, GPTConfig  # noqa: E402
 
 VARIANTS = ("torch.compile", "DDP2", "piper DP2", "piper PP2 1F1B", "piper PP2xDP2 Z3", "piper DualPipeV")
 WHOLE = " (whole)"  # the same piper variant with PIPER_REGIONAL=0: every segment compiled as one graph
+FLAT = " (flat)"  # the same piper variant with PIPER_NESTED_REGIONS=off: every block traced and exported
+
+
+def _base_variant(variant: str) -> str:
+    return variant.replace(WHOLE, "").replace(FLAT, "")
 STEADY = 5  # steps timed after the first (the steady step time, from the warm run)
 WORLD = {"torch.compile": 1, "DDP2": 2, "piper DP2": 2, "piper PP2 1F1B": 2, "piper PP2xDP2 Z3": 4,
          "piper DualPipeV": 2}
@@ -74,7 +81,7 @@ def _directives(variant: str) -> tuple[list[Any], int]:
 
 
 def _worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
-    variant = job["variant"].removesuffix(WHOLE)
+    variant = _base_variant(job["variant"])
     torch.manual_seed(0)
     model = GPT(GPTConfig(**job["model"]))
     x, y = model.make_batch(job["batch"], torch.Generator().manual_seed(0))
@@ -114,9 +121,10 @@ def _run(variant: str, job: dict[str, Any], cache: str) -> tuple[float, float, f
     """(first step wall s of the slowest rank, CPU s of all ranks, steady step s, the largest peak RSS of
     a rank in MiB) or why it failed."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # run_local hands the environment to the ranks
-    os.environ["PIPER_REGIONAL"] = "0" if variant.endswith(WHOLE) else "1"
+    os.environ["PIPER_REGIONAL"] = "0" if WHOLE in variant else "1"
+    os.environ["PIPER_NESTED_REGIONS"] = "off" if FLAT in variant else "auto"
     try:
-        res = run_local(_worker, WORLD[variant.removesuffix(WHOLE)], {**job, "variant": variant},
+        res = run_local(_worker, WORLD[_base_variant(variant)], {**job, "variant": variant},
                         timeout_s=job["timeout"])
     except Exception as e:  # noqa: BLE001 - report and go on
         return f"{type(e).__name__}: {str(e)[-300:]}"
@@ -135,9 +143,11 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--whole", action="store_true", help="also run each piper variant without regional compilation")
+    p.add_argument("--flat", action="store_true", help="also run each piper variant without nested compile regions")
     a = p.parse_args()
-    if a.whole:
-        a.variants = [v for var in a.variants for v in ([var, var + WHOLE] if var.startswith("piper") else [var])]
+    for flag, suffix in ((a.whole, WHOLE), (a.flat, FLAT)):
+        if flag:
+            a.variants = [v for var in a.variants for v in ([var, var + suffix] if var.startswith("piper") else [var])]
     print(f"bench_compile: GPT dim={a.dim} heads={a.heads} seq={a.seq} vocab={a.vocab}, batch {a.batch}/rank, AdamW; "
           f"torch {torch.__version__}, piper {piper_revision()}, {load_note()}")
     print(f"{'variant':26} {'layers':>6} {'cold s':>8} {'cpu s':>8} {'warm s':>8} {'cpu s':>8} {'warm/cold':>9} "

@@ -17,7 +17,9 @@ def graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tu
                     t.requires_grad)
         return (type(t).__name__, str(t))
 
-    return (id(options), gm.code, tuple(sig(t) for t in example_inputs), torch.is_grad_enabled())
+    from piper_compile.capture.subgraphs import graph_code
+
+    return (id(options), graph_code(gm), tuple(sig(t) for t in example_inputs), torch.is_grad_enabled())
 
 
 _GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # Dynamo frame -> grad modes it has a version for

@@ -25,13 +25,13 @@ import hashlib
 import inspect
 import logging
 import os
-import re
 import tempfile
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
+from piper_compile.capture.subgraphs import canonical_region_names
 from piper_compile.disk import (TESTED_TORCH, cache_root, constant_bytes, one_at_a_time, torch_version,
                                  trace_settings, usable_cores)
 from piper_compile.knobs import knob
@@ -88,15 +88,6 @@ def _target_text(target: Any) -> str | None:
         return None
 
 
-_REGION_NAME = re.compile(r"\bsubgraph_\d+\b")
-
-
-def _canonical(text: str, names: dict[str, str]) -> str:
-    """``text`` with Dynamo's nested-region names (``subgraph_3``: a count per process, so a second model
-    traced in one process gets other numbers) numbered by first appearance in the graph instead."""
-    return _REGION_NAME.sub(lambda m: names.setdefault(m.group(0), f"region_{len(names)}"), text)
-
-
 def _graph_text(gm: fx.GraphModule, h: Any, names: dict[str, str] | None = None) -> bool:
     """Feed ``gm``'s nodes (and its subgraphs and constants) into ``h``; False when one cannot be keyed."""
     names = {} if names is None else names
@@ -108,7 +99,7 @@ def _graph_text(gm: fx.GraphModule, h: Any, names: dict[str, str] | None = None)
             return False
         stacks = [[(p, getattr(c, "__qualname__", str(c))) for p, c in (node.meta.get(k) or {}).values()]
                   for k in _STACKS]
-        h.update(_canonical(f"{node.op}|{node.name}|{target}|{node.args}|{node.kwargs}|{node.meta.get('custom')}|"
+        h.update(canonical_region_names(f"{node.op}|{node.name}|{target}|{node.args}|{node.kwargs}|{node.meta.get('custom')}|"
                             f"{node.meta.get('stack_trace')}|{stacks}|{_value_text(node.meta.get('example_value'))}\n",
                             names).encode())
         if node.op == "get_attr" and not _attr_text(getattr(gm, str(node.target), None), h, names):

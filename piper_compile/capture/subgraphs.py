@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -66,6 +67,22 @@ def schemas_once() -> Iterator[None]:
         del op.gen_schema
 
 
+_REGION_NAME = re.compile(r"\bsubgraph_\d+\b")
+
+
+def canonical_region_names(text: str, names: dict[str, str]) -> str:
+    """``text`` with Dynamo's nested-region names (``subgraph_3``: a count per process, so a second model
+    traced in one process gets other numbers) numbered by first appearance (``names``, shared across the
+    texts of one graph) instead."""
+    return _REGION_NAME.sub(lambda m: names.setdefault(m.group(0), f"region_{len(names)}"), text)
+
+
+def graph_code(gm: fx.GraphModule) -> str:
+    """The code of ``gm`` and of its region bodies, region names numbered by appearance."""
+    names: dict[str, str] = {}
+    return "\n".join(canonical_region_names(g.code, names) for g in gm.modules() if isinstance(g, fx.GraphModule))
+
+
 def invoke_subgraph() -> Any:
     return getattr(torch.ops.higher_order, "invoke_subgraph", None)
 
@@ -102,7 +119,7 @@ class _Call:
 class _Inliner:
     gm: fx.GraphModule
     joint: bool  # AOTAutograd's joint graph (its nodes record their pass), not Dynamo's graph
-    origin: dict[int, _Call] = field(default_factory=dict)  # id(forward body) -> its first call
+    origin: dict[str, _Call] = field(default_factory=dict)  # forward body's identifier -> its first call
     forward_of: dict[Any, _Call] = field(default_factory=dict)  # call_id -> the forward call
     made: dict[Any, dict[Any, fx.Node]] = field(default_factory=dict)  # call_id -> (op, inputs) -> node
     recomputed: int = 0  # forward nodes of a backward body with no match (computed again)
@@ -128,7 +145,7 @@ class _Inliner:
         fw = self.forward_of.get(call.call_id) if call.backward else call
         if fw is None:
             raise PiperCaptureError(f"piper: internal: the backward region call {call.node.name} has no "
-                                    "forward call (call_id {call.call_id})")
+                                    f"forward call (call_id {call.call_id})")
         return self.origin[_body_key(fw.node)]
 
     def _inline(self, call: _Call) -> None:
@@ -145,7 +162,7 @@ class _Inliner:
                 if n.op == "output":
                     outputs = tuple(fx.node.map_arg(n.args[0], lambda a: env[a]))
                     continue
-                env[n] = self._copy(n, env, call, origin, made)
+                env[n] = self._attr(body, n) if n.op == "get_attr" else self._copy(n, env, call, origin, made)
         for user in list(node.users):
             if user.op != "call_function" or user.target is not operator.getitem:
                 raise PiperCaptureError(f"piper: internal: region call {node.name} is read by {user.op} "
@@ -153,6 +170,16 @@ class _Inliner:
             user.replace_all_uses_with(outputs[user.args[1]])
             self.gm.graph.erase_node(user)
         self.gm.graph.erase_node(node)
+
+    def _attr(self, body: fx.GraphModule, n: fx.Node) -> fx.Node:
+        """A body's constant (or a region nested in it) as an attribute of the graph it is inlined into."""
+        name = f"_region_{str(n.target).replace('.', '_')}"
+        while hasattr(self.gm, name) and getattr(self.gm, name) is not getattr(body, str(n.target)):
+            name += "_"
+        setattr(self.gm, name, getattr(body, str(n.target)))
+        new = self.gm.graph.get_attr(name)
+        new.meta = dict(n.meta)
+        return new
 
     def _copy(self, n: fx.Node, env: dict[fx.Node, Any], call: _Call, origin: _Call,
               made: dict[Any, fx.Node]) -> fx.Node:
@@ -201,7 +228,8 @@ def _meta_for(meta: dict[str, Any], call: _Call, origin: _Call, joint: bool) -> 
     if meta.get("custom"):  # a node without tags (a gradient sum AOTAutograd added) keeps none, as in a flat capture
         inner = {k: v for k, v in meta["custom"].items()
                  if k != _CALL_ID and not (k in origin.tags and origin.tags[k] == v)}
-        out["custom"] = {**call.tags, **inner}
+        pairing = {_CALL_ID: meta["custom"][_CALL_ID]} if _CALL_ID in meta["custom"] else {}  # a region inside
+        out["custom"] = {**call.tags, **inner, **pairing}
     for key in _STACKS:
         if meta.get(key):
             out[key] = _restack(list(meta[key].values()), call.stack, origin.stack)
@@ -280,9 +308,26 @@ def specialize_region_floats(gm: fx.GraphModule, values: dict[fx.Node, float]) -
         body.recompile()
 
 
+def _fresh_names(gm: fx.GraphModule) -> None:
+    """Copy ``gm``'s graph into a new one, whose names in use are exactly its nodes': FX also keeps the names
+    of nodes erased since (AOTAutograd erases many), which a graph loaded from the capture cache does not
+    have, so inlined nodes would be named differently in an exported graph and its loaded copy, and the
+    ranks' plan fingerprints differ."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls, tracer_extras=gm.graph._tracer_extras)
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out).meta = dict(gm.graph.find_nodes(op="output")[0].meta)  # the outputs' descriptions
+    graph._codegen = gm.graph._codegen
+    gm.graph = graph
+
+
 def inline_subgraphs(gm: fx.GraphModule, joint: bool = True) -> int:
     """Expand every ``invoke_subgraph`` call of ``gm`` (the joint graph, or with ``joint=False`` Dynamo's
     graph) in place; the number of calls."""
-    if not calls_of(gm):
-        return 0
-    return _Inliner(gm, joint).run()
+    total = 0
+    for _ in range(8):  # a region inside a region is a call in the body: inlined in the next round
+        if not calls_of(gm):
+            return total
+        if joint:  # Dynamo's graph keeps its own (its placeholders carry attributes a copy loses)
+            _fresh_names(gm)
+        total += _Inliner(gm, joint).run()
+    raise PiperCaptureError("piper: nested compile regions are nested more than 8 deep; mark fewer of them")

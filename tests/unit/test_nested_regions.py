@@ -123,7 +123,9 @@ def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkey
         assert torch.equal(runs["auto"][1][k], v), k
 
 
-def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch):
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch, inside):
+    """``inside``: each block's MLP layers are regions too (torch's export keeps the outer calls only)."""
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
     torch.manual_seed(0)
     flat = GPT(GPTConfig(dim=32, heads=2, layers=3))
@@ -132,6 +134,8 @@ def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch):
     region = blocks.region_class(type(marked.blocks[0]))
     for b in marked.blocks:
         b.__class__ = region
+        if inside:
+            b.fc.__class__ = b.out.__class__ = blocks.region_class(nn.Linear)
     batch = flat.make_batch(8, torch.Generator().manual_seed(1))
     opts = {"directives": [piper.split(2)], "optimizer": SGD}
     a = torch.compile(flat, backend="piper", options=opts, dynamic=True, fullgraph=True)
@@ -152,6 +156,7 @@ def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp
     assert (first[2].joint.how, second[2].joint.how) == ("captured", "loaded")
     assert second[2].joint.region_calls == 8
     assert _summary(first[2].joint.gm) == _summary(second[2].joint.gm)
+    assert first[2].joint.gm.code == second[2].joint.gm.code  # same node names: ranks' plans agree
     assert first[0] == second[0]
     for k, v in first[1].items():
         assert torch.equal(second[1][k], v), k
