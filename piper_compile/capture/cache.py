@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import inspect
 import logging
+import operator
 import os
 import tempfile
 from typing import Any, Callable
@@ -31,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.capture.subgraphs import canonical_region_names
+from piper_compile.capture.subgraphs import calls_of, canonical_region_names
 from piper_compile.disk import (TESTED_TORCH, cache_root, constant_bytes, one_at_a_time, torch_version,
                                  trace_settings, usable_cores)
 from piper_compile.knobs import knob
@@ -131,8 +132,11 @@ def _directory() -> str:
     return os.path.join(cache_root(), "piper-capture")
 
 
-def _clean_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in meta.items() if k in _KEEP}
+def _clean_meta(meta: dict[str, Any], inlined: bool = False) -> dict[str, Any]:
+    """What the entry keeps of a node's metadata; ``inlined``: a region call or its ``getitem``, which
+    capture replaces by the body's nodes (``capture/subgraphs.py``), so its fake value is never read (at
+    32 layers they are most of the graph's values and half its load)."""
+    out = {k: v for k, v in meta.items() if k in _KEEP and not (inlined and k == "val")}
     for k in _STACKS:  # classes by name: the model's own classes need not be importable to load
         if out.get(k):
             out[k] = {a: (p, getattr(c, "__qualname__", str(c))) for a, (p, c) in out[k].items()}
@@ -168,8 +172,10 @@ def _dumps(jgm: fx.GraphModule) -> bytes:
 
     saved = {n: n.meta for g in _graphs(jgm) for n in g.graph.nodes}
     try:
+        calls = set(calls_of(jgm))
         for n in saved:
-            n.meta = _clean_meta(n.meta)
+            n.meta = _clean_meta(n.meta, n in calls or (n.target is operator.getitem
+                                                           and isinstance(n.args[0], fx.Node) and n.args[0] in calls))
         return _pickler().dumps(jgm, Options(ops_filter=None, node_metadata_key_filter=None))
     finally:
         for n, meta in saved.items():
