@@ -77,7 +77,7 @@ def test_the_knob_and_shard_tensor_turn_marking_off(monkeypatch):
     assert blocks.wanted([]) is False
 
 
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("stages", [1, pytest.param(2, marks=pytest.mark.slow)])  # slow: keeps the fast subset under 5 min
 def test_regions_train_bitwise_like_a_flat_capture(monkeypatch, stages):
     runs = {}
     for mode in ("off", "auto"):
@@ -123,7 +123,7 @@ def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkey
         assert torch.equal(runs["auto"][1][k], v), k
 
 
-@pytest.mark.parametrize("inside", [False, True])
+@pytest.mark.parametrize("inside", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch, inside):
     """``inside``: each block's MLP layers are regions too (torch's export keeps the outer calls only)."""
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
