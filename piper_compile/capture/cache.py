@@ -35,6 +35,7 @@ from torch import fx
 from piper_compile.capture.subgraphs import calls_of, canonical_region_names
 from piper_compile.disk import (TESTED_TORCH, cache_root, constant_bytes, one_at_a_time, torch_version,
                                  trace_settings, usable_cores)
+from piper_compile.fxgraph import graph_module
 from piper_compile.knobs import knob
 
 log = logging.getLogger(__name__)
@@ -193,8 +194,7 @@ def _loads(data: bytes) -> fx.GraphModule:
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation inside the unpickler
         gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
     assert isinstance(gm, fx.GraphModule)
-    gm.recompile()
-    return gm
+    return graph_module(gm, gm.graph)  # its code made when first asked for (inlining rewrites it first)
 
 
 def _load(path: str) -> fx.GraphModule | None:

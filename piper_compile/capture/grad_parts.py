@@ -24,6 +24,7 @@ from torch import fx
 from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region
 from piper_compile.directives.spec import Place, filter_matches
+from piper_compile.fxgraph import graph_module
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -112,7 +113,7 @@ def _copy(joint: JointGraph) -> JointGraph:
     """``joint`` on a copy of its graph (same node names; node metadata shared, not copied)."""
     graph = copy.deepcopy(joint.gm.graph)
     assert [n.name for n in graph.nodes] == [n.name for n in joint.gm.graph.nodes]
-    return dataclasses.replace(joint, gm=fx.GraphModule(joint.gm, graph), grad_of=dict(joint.grad_of))
+    return dataclasses.replace(joint, gm=graph_module(joint.gm, graph), grad_of=dict(joint.grad_of))
 
 
 def _sum_in_region(gm: fx.GraphModule, terms: list[fx.Node], like: fx.Node, reg: Region,

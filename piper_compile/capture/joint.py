@@ -19,6 +19,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from piper_compile.capture.cache import exported
 from piper_compile.capture.subgraphs import inline_subgraphs, schemas_once
 from piper_compile.errors import PiperCaptureError
+from piper_compile.fxgraph import graph_module
 from piper_compile.ir.dag import BUFFER_PREFIX, PARAM_PREFIX
 from piper_compile.ir.dims import dim_value
 
@@ -266,8 +267,7 @@ def _export_joint(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> fx.GraphModule:
             f"piper: AOTAutograd could not export the joint forward+backward graph: {type(e).__name__}: {e}"
         ) from e
     jgm.graph._codegen = fx.graph.CodeGen()  # flat placeholders, flat outputs
-    jgm.recompile()
-    return jgm
+    return graph_module(jgm, jgm.graph)  # its code made when first asked for (inlining rewrites it first)
 
 
 def _joint_inputs(jgm: fx.GraphModule, specs: list[InputSpec]) -> tuple[list[InputSpec], dict[str, str]]:

@@ -16,6 +16,7 @@ from piper_compile.capture.regions import Region, RegionCycleError, boundary_kin
 from piper_compile.capture.checkpointing import replay_inputs
 from piper_compile.capture.remat import HANDOVER_SUFFIX, RematPlan
 from piper_compile.directives.spec import ActivationWindow, Checkpoint
+from piper_compile.fxgraph import graph_module
 
 
 
@@ -191,7 +192,7 @@ def _build_segment(joint: JointGraph, key: tuple[str, Region, int], nodes: list[
         out_nodes.append(env[n])
         out_meta[n.name + HANDOVER_SUFFIX] = _meta_of(n)
     g.output(tuple(out_nodes))
-    seg_gm = fx.GraphModule(joint.gm, g)
+    seg_gm = graph_module(joint.gm, g)
     name = f"{pass_}.{region_label(reg) or 'all'}" + (f".c{chunk}" if chunk >= 0 else "")
     loss = joint.loss if joint.loss in outputs else None
     grads = tuple((v, joint.grad_of[v]) for v in outputs if v in joint.grad_of)

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from piper_compile.fxgraph import graph_module
+
 Fused = tuple[tuple[int, torch.dtype], ...]  # (output position, gradient buffer dtype) per fused gradient
 
 _FLAGS: dict[tuple[str, bool], torch.Tensor] = {}
@@ -34,11 +36,10 @@ def flag(device: torch.device, add: bool) -> torch.Tensor:
     return _FLAGS[key]
 
 
-def _fake_like(val: Any, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> Any:
-    """A fake tensor for a new placeholder's metadata (read by ``compile.fake_inputs`` at precompile)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
+def _fake_like(mode: Any, val: Any, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> Any:
+    """A fake tensor (of fake mode ``mode``) for a new placeholder's metadata (read by
+    ``compile.input_specs`` at precompile)."""
+    with mode:
         return torch.empty(val.shape if shape is None else shape, dtype=dtype or val.dtype, device=val.device)
 
 
@@ -69,6 +70,9 @@ def fuse(gm: fx.GraphModule, fused: Fused, how: str = "where") -> fx.GraphModule
     its own inputs come one buffer per fused gradient (in ``fused`` order), then (``how="where"``) the 0-d
     ``add`` flag. ``how="copy"`` / ``"add"``: each gradient is copied / added in place (``copy_``, ``add_``:
     the runtime's own ops, for graphs run eagerly, which know on the host which one a call needs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()  # one per graph: making a mode costs more than the tensors
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for ph in gm.graph.find_nodes(op="placeholder"):
@@ -77,12 +81,12 @@ def fuse(gm: fx.GraphModule, fused: Fused, how: str = "where") -> fx.GraphModule
     writes: dict[fx.Node, list[tuple[fx.Node, torch.dtype]]] = {}
     for k, (i, dtype) in enumerate(fused):
         acc = g.placeholder(f"grad_acc{k}")
-        acc.meta["val"] = _fake_like(outs[i].meta["val"], dtype)
+        acc.meta["val"] = _fake_like(fake, outs[i].meta["val"], dtype)
         writes.setdefault(outs[i], []).append((acc, dtype))
     mode: fx.Node | str = how
     if how == "where":
         mode = g.placeholder("grad_add")
-        mode.meta["val"] = _fake_like(outs[fused[0][0]].meta["val"], torch.bool, ())
+        mode.meta["val"] = _fake_like(fake, outs[fused[0][0]].meta["val"], torch.bool, ())
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -95,7 +99,7 @@ def fuse(gm: fx.GraphModule, fused: Fused, how: str = "where") -> fx.GraphModule
     taken = {i for i, _ in fused}
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for j, o in enumerate(outs) if j not in taken))
     g.lint()
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 def _write(g: fx.Graph, grad: fx.Node, acc: fx.Node, add: fx.Node | str, dtype: torch.dtype,

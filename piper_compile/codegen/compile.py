@@ -27,7 +27,9 @@ def forget_compiled() -> None:
 
 
 def _signature(args: list[Any]) -> Signature:
-    return tuple((tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device)) if isinstance(a, torch.Tensor) else a for a in args)
+    """(shape, strides, dtype, device) of each tensor (or :class:`_Spec`) among ``args``; other args as they are."""
+    return tuple((tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device)) if isinstance(a, (torch.Tensor, _Spec))
+                 else a for a in args)
 
 
 class CompiledSegment:
@@ -99,19 +101,21 @@ class CompiledSegment:
             return
         cut = self._regional()
         graphs = [(self.gm, "")] if cut is None else [(p.gm, p.label) for p in cut.pieces]
+        mode = _fake_mode()
         for gm, part in graphs:
-            fakes = fake_inputs(gm, symbols, device)
-            if fakes is None:
-                continue
-            same = (regional.structure_key(gm), _signature(fakes), cache.settings())
-            if same not in _TRACED and same not in self._ahead:
-                self._ahead[same] = self._compile_graph(gm, fakes, part)
+            specs = input_specs(gm, symbols, device)
+            if specs is None:
+                continue  # a size known only when it runs
+            same = (regional.structure_key(gm), _signature(specs), cache.settings())
+            if same not in _TRACED and same not in self._ahead:  # else compiled already: no fakes needed
+                self._ahead[same] = self._compile_graph(gm, _fakes(specs, mode), part, same)
 
-    def _compile_graph(self, gm: fx.GraphModule, args: list[Any], part: str) -> Callable[[list[Any]], Any]:
-        """Inductor's function for ``gm`` (the segment, or its piece ``part``) on ``args``; ``gm`` run
-        eagerly, with a warning, when Inductor fails."""
+    def _compile_graph(self, gm: fx.GraphModule, args: list[Any], part: str,
+                       same: tuple[str, Signature, str] | None = None) -> Callable[[list[Any]], Any]:
+        """Inductor's function for ``gm`` (the segment, or its piece ``part``) on ``args`` (``same``: their
+        key, when known); ``gm`` run eagerly, with a warning, when Inductor fails."""
         t0 = time.perf_counter()
-        same = (regional.structure_key(gm), _signature(args), cache.settings())
+        same = same or (regional.structure_key(gm), _signature(args), cache.settings())
         if same in self._ahead:  # compiled (and counted) ahead of the run
             return self._ahead.pop(same)
         if same in _TRACED:  # a graph like this one (another block, or segment) on inputs like these
@@ -208,27 +212,39 @@ def precompile(segments: dict[str, CompiledSegment], symbols: dict[str, int], de
         segments[name].precompile(symbols, device)
 
 
-def fake_inputs(gm: fx.GraphModule, symbols: dict[str, int], device: torch.device) -> list[Any] | None:
-    """Fake tensors (and ints) like the inputs ``gm`` runs on when the size symbols take ``symbols``' values,
-    from its placeholders' metadata; None when a size does not follow from them."""
+class _Spec:
+    """A tensor input's metadata at concrete sizes, shaped like a tensor for :func:`_signature`."""
+
+    def __init__(self, shape: list[int], stride: list[int], dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self._stride, self.dtype, self.device = shape, stride, dtype, device
+
+    def stride(self) -> list[int]:
+        return self._stride
+
+
+def _fake_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+
+def input_specs(gm: fx.GraphModule, symbols: dict[str, int], device: torch.device) -> list[Any] | None:
+    """The inputs ``gm`` runs on when the size symbols take ``symbols``' values, from its placeholders'
+    metadata: a tensor's concrete shape, strides, dtype and device (:class:`_Spec`), or an int; None when
+    a size does not follow from them."""
     from piper_compile.capture.joint import eval_sym
 
     def size(s: Any) -> int:
         return int(s) if isinstance(s, int) else eval_sym(str(s.node.expr).replace(" ", ""), symbols)
 
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     out: list[Any] = []
     try:
         for ph in gm.graph.find_nodes(op="placeholder"):
             val = ph.meta.get("val")
             if isinstance(val, torch.Tensor):
-                where = device if val.device.type == device.type else val.device
-                with mode:
-                    out.append(torch.empty_strided([size(d) for d in val.shape], [size(d) for d in val.stride()],
-                                                   dtype=val.dtype, device=where))
+                where = _indexed(device) if val.device.type == device.type else val.device
+                out.append(_Spec([size(d) for d in val.shape], [size(d) for d in val.stride()], val.dtype, where))
             elif isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
                 out.append(size(val))
             else:
@@ -236,6 +252,20 @@ def fake_inputs(gm: fx.GraphModule, symbols: dict[str, int], device: torch.devic
     except (TypeError, ValueError, AttributeError):  # a symbol without a value (an unbacked size)
         return None
     return out
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current>``, as tensors made on it report their device (signatures compare them)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _fakes(specs: list[Any], mode: Any) -> list[Any]:
+    """Fake tensors of ``mode`` for the :class:`_Spec` among ``specs`` (ints as they are)."""
+    with mode:
+        return [torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device=s.device) if isinstance(s, _Spec)
+                else s for s in specs]
 
 
 _TARGET = re.compile(r"target: ([\w.]+)")

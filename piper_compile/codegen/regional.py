@@ -27,6 +27,7 @@ from torch import fx
 from piper_compile.capture.regions import BlockKey as Key
 from piper_compile.capture.regions import block_of
 from piper_compile.disk import constant_bytes
+from piper_compile.fxgraph import graph_module
 
 MIN_BLOCK_NODES = 16  # a block of fewer nodes is not worth a graph of its own
 MIN_PIECE_NODES = 4  # stray runs shorter than this join the piece before them
@@ -169,7 +170,7 @@ def _finish(gm: fx.GraphModule, builders: list[_Builder], runs: list[_Run], inpu
         b.exported.sort(key=position.__getitem__)  # graph order: alike blocks export alike
         b.g.output(tuple(b.env[a] for a in b.exported))
         b.g.lint()
-        pieces.append(Piece(fx.GraphModule(gm, b.g), r.key, tuple(slot[a] for a in b.reads),
+        pieces.append(Piece(graph_module(gm, b.g), r.key, tuple(slot[a] for a in b.reads),
                             tuple(slot[a] for a in b.exported),
                             tuple(sorted({slot[a] for a in b.reads if last[slot[a]] == i}))))
     return Cut(pieces, inputs, len(slot), results)
@@ -200,7 +201,17 @@ class _Builder:
 
 def structure_key(gm: fx.GraphModule) -> str:
     """A hash of ``gm``'s computation with node names left out: identical blocks give the same key, so a
-    piece like one already compiled skips even its trace (with the same input signature)."""
+    piece like one already compiled skips even its trace (with the same input signature). Kept in
+    ``gm.meta`` for as long as ``gm`` holds the same graph with the same number of nodes."""
+    mark = (id(gm.graph), len(gm.graph.nodes))
+    kept = gm.meta.get("piper_structure_key")
+    if kept is not None and kept[0] == mark:
+        return kept[1]
+    gm.meta["piper_structure_key"] = (mark, _structure_key(gm))
+    return gm.meta["piper_structure_key"][1]
+
+
+def _structure_key(gm: fx.GraphModule) -> str:
     index: dict[fx.Node, int] = {}
     h = hashlib.sha256()
 
