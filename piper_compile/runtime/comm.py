@@ -234,6 +234,37 @@ def broadcast(t: torch.Tensor, src: int, group: Any = None) -> None:
     t.copy_(h)
 
 
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Any = None,
+                        bucket_bytes: int = 64 << 20) -> None:
+    """Broadcast every tensor of ``tensors`` in place from global rank ``src`` (blocking), packed into one
+    flat buffer per dtype and device of at most ``bucket_bytes`` (larger tensors go alone): a few
+    collectives instead of one per tensor. Every rank passes the same tensors in the same order."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for same in buckets.values():
+        start, size = 0, 0
+        for i, t in enumerate(same):
+            nbytes = t.numel() * t.element_size()
+            if i > start and size + nbytes > bucket_bytes:
+                _broadcast_flat(same[start:i], src, group)
+                start, size = i, 0
+            size += nbytes
+        _broadcast_flat(same[start:], src, group)
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], src: int, group: Any) -> None:
+    if len(tensors) == 1:
+        broadcast(tensors[0], src, group)
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    broadcast(flat, src, group)
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+
+
 def all_gather_list(parts: list[torch.Tensor], t: torch.Tensor, group: Any) -> None:
     """``dist.all_gather`` into ``parts`` (blocking)."""
     if not _staged(t, group):

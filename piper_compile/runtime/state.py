@@ -255,8 +255,7 @@ class TrainState:
             return
         if dist.is_initialized() and dist.get_world_size() > 1:
             with torch.no_grad():
-                for t in tensors:
-                    comm.broadcast(t.detach(), 0)
+                comm.broadcast_coalesced([t.detach() for t in tensors], 0)
         self.broadcast_done = True
 
     # -- the update ------------------------------------------------------------------------------
