@@ -4,6 +4,7 @@ segment's graph copies its nodes, recomputes what it may, and reads everything e
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -61,8 +62,14 @@ def _symexpr(node: fx.Node, symbols: frozenset[str]) -> str | None:
     if isinstance(val, int) and not isinstance(val, bool):
         return f"symexpr:{val}"
     if isinstance(val, torch.SymInt) and {str(f) for f in val.node.expr.free_symbols} <= symbols:
-        return "symexpr:" + str(val.node.expr).replace(" ", "").replace(",", ";")
+        return "symexpr:" + _expr_text(val.node.expr)
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _expr_text(expr: Any) -> str:
+    """A sympy size expression as the executor reads it (printing one costs milliseconds; blocks repeat them)."""
+    return str(expr).replace(" ", "").replace(",", ";")
 
 
 def extract_segments(joint: JointGraph, bucket_bytes: BucketBytes = None,
