@@ -181,6 +181,7 @@ def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_si
     graph cut into segments, not yet planned (``plan`` builds on it; the golden pass tests run its
     passes one by one). Leaves no Dynamo cache entry on the model's code."""
     opts = {**(options or {}), "directives": directives}
+    _mark_blocks(model, opts)  # traced as piper.compile traces it: repeated blocks once
     linked = link(model, opts)
     linked.call = (example_args, {})
     traced = trace(model, example_args)

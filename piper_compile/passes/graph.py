@@ -74,13 +74,14 @@ def _float_attributes(ctx: GraphContext) -> dict[fx.Node, tuple[int, str, float]
 
     from piper_compile.capture.subgraphs import invoke_subgraph
 
+    region_call = invoke_subgraph()
     found: dict[fx.Node, tuple[int, str, float]] = {}
     for i, ph in enumerate(ctx.gm.graph.find_nodes(op="placeholder")):
         ex = ctx.example_inputs[i] if i < len(ctx.example_inputs) else None
         src = ctx.sources[i] if i < len(ctx.sources) else ""
         users = list(ph.users)
         if (isinstance(ex, torch.Tensor) and ex.dim() == 0 and ex.dtype == torch.float64 and src.startswith("L['self']")
-                and users and all((u.op == "call_method" and u.target == "item") or u.target is invoke_subgraph()
+                and users and all((u.op == "call_method" and u.target == "item") or u.target is region_call
                                   for u in users)):
             found[ph] = (i, src, float(ex))
     return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -75,6 +76,48 @@ def test_the_knob_and_shard_tensor_turn_marking_off(monkeypatch):
     assert blocks.wanted(tp) is True
     monkeypatch.setenv("PIPER_NESTED_REGIONS", "off")
     assert blocks.wanted([]) is False
+
+
+def test_auto_marks_only_on_the_torch_the_region_metadata_is_tested_with(monkeypatch):
+    monkeypatch.setenv("PIPER_NESTED_REGIONS", "auto")
+    monkeypatch.setattr(blocks, "torch_version", lambda: (2, 11))
+    assert blocks.wanted([]) is False  # the GPU machine's torch: flat capture, as before regions
+    monkeypatch.setattr(blocks, "torch_version", lambda: blocks.TESTED_TORCH)
+    assert blocks.wanted([]) is True
+    monkeypatch.setenv("PIPER_NESTED_REGIONS", "on")
+    monkeypatch.setattr(blocks, "torch_version", lambda: (2, 11))
+    assert blocks.wanted([]) is True
+
+
+def _unnamed(text: str, names: set[str]) -> str:
+    """A plan's text with the values' names left out (inlined nodes are named otherwise than a flat
+    capture's): names become ``v``, lists of them are sorted, columns are not aligned."""
+    text = re.sub(r"\w+", lambda m: "v" if m.group(0) in names else m.group(0), text)
+    text = re.sub(r"\[([^\]]*)\]", lambda m: "[" + ", ".join(sorted(m.group(1).split(", "))) + "]", text)
+    return " ".join(text.split())
+
+
+def test_plan_traces_repeated_blocks_once_and_plans_like_a_flat_capture(monkeypatch):
+    """``piper.plan`` (and so ``autoplan``, which plans its candidates on one capture) marks the blocks as
+    ``piper.compile`` does: the same programs as planning the flat capture."""
+    from piper_compile.api import capture_step
+
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+    ds = [*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)]
+    texts, calls = {}, {}
+    for mode in ("off", "auto"):
+        monkeypatch.setenv("PIPER_NESTED_REGIONS", mode)
+        model = _gpt()
+        model.annotate_stages(2)
+        batch = model.make_batch(8, torch.Generator().manual_seed(1))
+        sp = piper.plan(model, *batch, directives=ds, world_size=2)
+        texts[mode] = _unnamed(sp.text(), {v for seg in sp.segments.values() for v in seg.outputs})
+        cs = capture_step(model, *batch, directives=ds, world_size=2)
+        cs._capture()
+        calls[mode] = cs.joint.region_calls
+    assert calls == {"off": 0, "auto": 8}
+    assert texts["auto"] == texts["off"]
+    assert texts["auto"].count("SEND.") > 0
 
 
 @pytest.mark.parametrize("stages", [1, pytest.param(2, marks=pytest.mark.slow)])  # slow: keeps the fast subset under 5 min
