@@ -90,8 +90,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "loads every segment (0: every rank compiles everything)"),
     Knob("PIPER_FAST_LOAD", "choice", "auto", "on a warm run, load each compiled segment piece straight from the "
          "FX-graph-cache entry it came from last time (written down per piece, its inputs and the machine), skipping "
-         "its re-trace and Inductor's hashing; any miss or error compiles as usual. 'auto' is on from torch 2.13, "
-         "where the Inductor internals it uses are tested", choices=("auto", "on", "off")),
+         "its re-trace and Inductor's hashing; any miss or error compiles as usual. Also skips Inductor's vector-ISA "
+         "load probe (a child process per ISA) for a probe library that loaded before. 'auto' is on from torch "
+         "2.13, where the Inductor internals it uses are tested", choices=("auto", "on", "off")),
     Knob("PIPER_CAPTURE_CACHE", "choice", "auto", "keep AOTAutograd's joint graph of each distinct model graph in "
          "Inductor's cache directory, so a second run loads it: 'turns' (ranks missing it wait while one exports "
          "it, then load it), 'each' (they export side by side, the first done writes it), 'auto' (turns unless "

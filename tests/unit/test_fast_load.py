@@ -145,3 +145,50 @@ def test_auto_is_on_from_torch_2_13_and_off_with_cuda_graphs(monkeypatch):
     with inductor_config.patch({"triton.cudagraphs": True}):
         assert not artifacts.enabled()
     assert artifacts.enabled()
+
+
+def test_the_vec_isa_load_probe_runs_once_per_library(monkeypatch, tmp_path):
+    """Inductor's dlopen probe (a child process per vector ISA) is skipped for a library that loaded before;
+    a changed library is probed again, and a failed probe is never written down."""
+    from piper_compile.codegen import warmup
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    calls: list[str] = []
+    outcome = {"ok": True}
+
+    def probe(isa: object, library: str) -> bool:
+        calls.append(library)
+        return outcome["ok"]
+
+    load = warmup.remembered(probe)
+    lib = tmp_path / "probe.so"
+    lib.write_bytes(b"x")
+    assert load(None, str(lib)) and load(None, str(lib))
+    assert len(calls) == 1  # the second process-like call reads the record
+    lib.write_bytes(b"xy")  # rebuilt: another size
+    assert load(None, str(lib)) and len(calls) == 2
+    other = tmp_path / "other.so"
+    other.write_bytes(b"z")
+    outcome["ok"] = False
+    assert not load(None, str(other)) and not load(None, str(other))
+    assert len(calls) == 4  # failures run every time
+    assert not load(None, str(tmp_path / "missing.so")) and len(calls) == 5
+
+
+def test_the_probe_record_is_installed_only_where_fast_load_is_on(monkeypatch):
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    from piper_compile.codegen import warmup
+
+    original = VecISA._probe_load
+    monkeypatch.setattr(VecISA, "_probe_load", getattr(original, "__wrapped__", original))  # as torch has it
+    base = VecISA._probe_load
+    monkeypatch.setenv("PIPER_FAST_LOAD", "off")
+    warmup._remember_probes()
+    assert VecISA._probe_load is base
+    monkeypatch.setenv("PIPER_FAST_LOAD", "on")
+    warmup._remember_probes()
+    installed = VecISA._probe_load
+    assert getattr(installed, "piper_remembered", False) and installed.__wrapped__ is base
+    warmup._remember_probes()
+    assert VecISA._probe_load is installed  # installed once
