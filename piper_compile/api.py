@@ -1,7 +1,8 @@
 """User-facing helpers that act on a compiled step (``torch.compile(model, backend="piper")``)."""
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -184,7 +185,7 @@ def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_si
     _mark_blocks(model, opts)  # traced as piper.compile traces it: repeated blocks once
     linked = link(model, opts)
     linked.call = (example_args, {})
-    traced = trace(model, example_args)
+    traced = _traced(model, lambda: trace(model, example_args))
     return CompiledStep(traced.gm, traced.inputs, opts, world=(0, world_size), sources=traced.sources, link=linked)
 
 
@@ -201,6 +202,14 @@ def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> None:
         mark_repeated_blocks(model)
 
 
+def _traced(model: nn.Module, run: Callable[[], Any]) -> Any:
+    """``run()``, a Dynamo trace of ``model``, traced again block by block if its marked blocks fail
+    (``capture/blocks.flat_on_failure``)."""
+    from piper_compile.capture.blocks import flat_on_failure
+
+    return flat_on_failure(model, run)
+
+
 def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Module:  # noqa: A001 - piper.compile
     """``torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options={"directives": ..., **options})``
     plus an explicit link from the compiled step to ``model`` (``runtime/registry.ModelLink``): what
@@ -209,6 +218,8 @@ def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Mod
     opts = {**options, "directives": list(directives)}
     _mark_blocks(model, opts)
     compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
+    traced = compiled.forward
+    compiled.forward = functools.wraps(traced)(lambda *a, **k: _traced(model, lambda: traced(*a, **k)))
     linked = link(model, opts)
     linked.handle = compiled.register_forward_pre_hook(linked.record, with_kwargs=True)
     compiled._piper_link = linked  # keeps the link (and so the registry entry) alive with the compiled module

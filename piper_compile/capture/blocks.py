@@ -15,8 +15,9 @@ where the model has repeated blocks and no directive rewrites Dynamo's graph per
 """
 from __future__ import annotations
 
+import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -81,6 +82,41 @@ def _mark(module: nn.Module) -> None:
         return
     region = region_class(_base(cls))
     module.__class__ = _annotated_class(region) if issubclass(cls, _ModuleAnnotation) else region
+
+
+def _unmark(module: nn.Module) -> bool:
+    """``module`` back to its class before :func:`_mark` (keeping its tags); whether it was marked."""
+    cls = type(module)
+    if not (issubclass(cls, _Region) or (issubclass(cls, _ModuleAnnotation) and issubclass(cls.__mro__[1], _Region))):
+        return False
+    base = _base(cls)
+    module.__class__ = _annotated_class(base) if issubclass(cls, _ModuleAnnotation) else base
+    return True
+
+
+def unmark_blocks(model: nn.Module) -> int:
+    """Undo :func:`mark_repeated_blocks` on every module of ``model``; the number of blocks unmarked."""
+    return sum(_unmark(m) for m in model.modules())
+
+
+def flat_on_failure(model: nn.Module, run: Callable[[], Any]) -> Any:
+    """``run()`` (a Dynamo trace of ``model``), and, where Dynamo fails on a model whose blocks piper marked
+    as nested compile regions, ``run()`` again with the blocks unmarked (traced one by one, as with
+    ``PIPER_NESTED_REGIONS=off``), with a warning: Dynamo's region support has gaps (HF GPT-2's blocks fail
+    its stamp-out), and a region is only ever a shortcut. A failure of the flat trace is the user's error."""
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
+
+    try:
+        return run()
+    except TorchDynamoException as e:
+        if isinstance(e, BackendCompilerFailed) or not any(isinstance(m, _Region) for m in model.modules()):
+            raise  # piper's own error (the trace got through), or nothing to unmark
+        unmark_blocks(model)
+        warnings.warn(f"piper: Dynamo could not trace the repeated blocks of {type(model).__name__} as nested "
+                      f"compile regions ({type(e).__name__}: {str(e).splitlines()[0][:200]}); tracing them one by "
+                      "one (slower first step, same training; PIPER_NESTED_REGIONS=off skips the attempt)",
+                      stacklevel=3)
+        return run()
 
 
 def repeated_lists(model: nn.Module) -> list[str]:

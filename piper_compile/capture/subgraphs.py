@@ -123,6 +123,7 @@ class _Inliner:
     forward_of: dict[Any, _Call] = field(default_factory=dict)  # call_id -> the forward call
     made: dict[Any, dict[Any, fx.Node]] = field(default_factory=dict)  # call_id -> (op, inputs) -> node
     recomputed: int = 0  # forward nodes of a backward body with no match (computed again)
+    unmatched: list[fx.Node] = field(default_factory=list)  # those nodes, of the call being inlined
 
     def run(self) -> int:
         calls = calls_of(self.gm)
@@ -170,6 +171,8 @@ class _Inliner:
             user.replace_all_uses_with(outputs[user.args[1]])
             self.gm.graph.erase_node(user)
         self.gm.graph.erase_node(node)
+        _hoist(self.gm.graph, self.unmatched)
+        self.unmatched = []
 
     def _attr(self, body: fx.GraphModule, n: fx.Node) -> fx.Node:
         """A body's constant (or a region nested in it) as an attribute of the graph it is inlined into."""
@@ -197,6 +200,8 @@ class _Inliner:
         new.meta = _meta_for(n.meta, call, origin, self.joint)
         if not call.backward and key is not None:
             made.setdefault(key, new)
+        if recompute:
+            self.unmatched.append(new)
         return new
 
     def _drop_bodies(self) -> None:
@@ -205,6 +210,29 @@ class _Inliner:
                 self.gm.graph.erase_node(n)
                 if not self.gm.graph.find_nodes(op="get_attr", target=n.target):
                     delattr(self.gm, str(n.target))
+
+
+def _hoist(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Move forward ops that a backward body computes with no match in its forward call (AOTAutograd's
+    ``detach`` of a value the backward saves, say) from the backward call's place to right after their
+    last input, where a flat capture has them: passes that cut the forward by position (ZeRO-3's
+    chunks) then find each block's forward ops together. ``nodes`` in the order they were made; each
+    follows those of them it reads."""
+    if not nodes:
+        return
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    moved: set[fx.Node] = set()
+    for n in nodes:
+        inputs = n.all_input_nodes
+        if not inputs:
+            continue
+        anchor = max(inputs, key=pos.__getitem__)
+        while anchor.next in moved:  # after the nodes moved behind the same input before it
+            anchor = anchor.next
+        if anchor.next is not n:
+            anchor.append(n)
+        moved.add(n)
+        pos[n] = pos[anchor]
 
 
 def _body_key(node: fx.Node) -> str:

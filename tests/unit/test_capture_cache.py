@@ -95,6 +95,7 @@ def test_a_second_capture_loads_the_first_and_plans_the_same(cache_dir, monkeypa
     first = capture_joint(t.gm, t.inputs, t.sources)
     second = capture_joint(t.gm, t.inputs, t.sources)
     assert (first.how, second.how) == ("captured", "loaded") and len(os.listdir(cache_dir)) == 1
+    path = cache_dir / os.listdir(cache_dir)[0]  # the flat graph's entry (piper.plan below traces regions)
     _same_graph(first.gm, second.gm)
     assert first.grad_of == second.grad_of and first.loss == second.loss
     x, y = model.make_batch(4, torch.Generator().manual_seed(0))
@@ -105,7 +106,6 @@ def test_a_second_capture_loads_the_first_and_plans_the_same(cache_dir, monkeypa
     assert loaded.text() == fresh.text()
     assert {s.name: s.gm.code for s in loaded.segments.values()} == {s.name: s.gm.code for s in fresh.segments.values()}
     # another script (its __main__ without torch) loads the entry too
-    path = cache_dir / os.listdir(cache_dir)[0]
     code = ("from piper_compile.capture import cache; "
             f"print(len(cache._loads(open({str(path)!r}, 'rb').read()).graph.nodes))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
