@@ -228,3 +228,27 @@ def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch
         losses.append(float(step(*batch).detach()))
         runs[mode] = (losses, piper.compiled_steps(step)[0].joint.region_calls)
     assert runs["auto"] == runs["off"] and runs["auto"][1] == 0
+
+
+@pytest.mark.slow  # in the full suite: four HF models traced twice each
+@pytest.mark.parametrize("family", ["bert", "vit", "gpt_neox", "mistral"])
+def test_hf_families_trace_their_layers_as_regions_and_train_like_flat(monkeypatch, family):
+    """The transformers families whose layers Dynamo traces as regions do so under piper.compile (no
+    fallback to block-by-block tracing: one region call per layer and pass) and train exactly as flat."""
+    import warnings
+
+    from piper_compile.testing.hf import HFLoss
+
+    monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+    runs = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setenv("PIPER_NESTED_REGIONS", mode)
+        model = HFLoss(family, seed=0, num_hidden_layers=4)
+        batch = model.make_batch(4, torch.Generator().manual_seed(0))
+        step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*tracing them one by one.*")
+            losses = [float(step(*batch).detach()) for _ in range(2)]
+        runs[mode] = (losses, piper.compiled_steps(step)[0].joint.region_calls)
+    assert runs["auto"][1] == 8 and runs["off"][1] == 0  # 4 layers, forward and backward
+    assert runs["auto"][0] == runs["off"][0]
