@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from piper_compile.backend import CompiledStep
 from piper_compile.options import Options
+from piper_compile.capture.blocks import flat_on_failure
 from piper_compile.capture.dynamo import trace
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
@@ -185,29 +186,20 @@ def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_si
     _mark_blocks(model, opts)  # traced as piper.compile traces it: repeated blocks once
     linked = link(model, opts)
     linked.call = (example_args, {})
-    traced = _traced(model, lambda: trace(model, example_args))
+    traced = flat_on_failure(model, lambda: trace(model, example_args))
     return CompiledStep(traced.gm, traced.inputs, opts, world=(0, world_size), sources=traced.sources, link=linked)
 
 
-def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> None:
+def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> bool:
     """Repeated blocks become nested compile regions (``capture/blocks.py``) unless the directives rule it
-    out; directives that do not parse are left for the first call to report."""
+    out; directives that do not parse are left for the first call to report. Whether any were marked."""
     from piper_compile.capture.blocks import mark_repeated_blocks, wanted
 
     try:
         directives = Options.parse(opts).directives
     except PiperError:
-        return
-    if wanted(directives):
-        mark_repeated_blocks(model)
-
-
-def _traced(model: nn.Module, run: Callable[[], Any]) -> Any:
-    """``run()``, a Dynamo trace of ``model``, traced again block by block if its marked blocks fail
-    (``capture/blocks.flat_on_failure``)."""
-    from piper_compile.capture.blocks import flat_on_failure
-
-    return flat_on_failure(model, run)
+        return False
+    return wanted(directives) and bool(mark_repeated_blocks(model))
 
 
 def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Module:  # noqa: A001 - piper.compile
@@ -216,10 +208,11 @@ def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Mod
     ``options["mixed_precision"]`` needs (piper traces the model again in the compute dtype), and how
     ``piper.optimizer(step)`` and ``model.state_dict()`` find the step's training state."""
     opts = {**options, "directives": list(directives)}
-    _mark_blocks(model, opts)
+    marked = _mark_blocks(model, opts)
     compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
-    traced = compiled.forward
-    compiled.forward = functools.wraps(traced)(lambda *a, **k: _traced(model, lambda: traced(*a, **k)))
+    if marked:  # Dynamo failing on the regions traces the blocks one by one (capture/blocks.py)
+        traced = compiled.forward
+        compiled.forward = functools.wraps(traced)(lambda *a, **k: flat_on_failure(model, lambda: traced(*a, **k)))
     linked = link(model, opts)
     linked.handle = compiled.register_forward_pre_hook(linked.record, with_kwargs=True)
     compiled._piper_link = linked  # keeps the link (and so the registry entry) alive with the compiled module

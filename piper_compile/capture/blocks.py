@@ -78,16 +78,21 @@ def region_class(cls: type) -> type:
 
 def _mark(module: nn.Module) -> None:
     cls = type(module)
-    if issubclass(cls, _Region) or (issubclass(cls, _ModuleAnnotation) and issubclass(cls.__mro__[1], _Region)):
+    if _marked(cls):
         return
     region = region_class(_base(cls))
     module.__class__ = _annotated_class(region) if issubclass(cls, _ModuleAnnotation) else region
 
 
+def _marked(cls: type) -> bool:
+    """A region class, or piper's annotation subclass of one."""
+    return issubclass(cls, _Region) or (issubclass(cls, _ModuleAnnotation) and issubclass(cls.__mro__[1], _Region))
+
+
 def _unmark(module: nn.Module) -> bool:
     """``module`` back to its class before :func:`_mark` (keeping its tags); whether it was marked."""
     cls = type(module)
-    if not (issubclass(cls, _Region) or (issubclass(cls, _ModuleAnnotation) and issubclass(cls.__mro__[1], _Region))):
+    if not _marked(cls):
         return False
     base = _base(cls)
     module.__class__ = _annotated_class(base) if issubclass(cls, _ModuleAnnotation) else base
@@ -109,7 +114,7 @@ def flat_on_failure(model: nn.Module, run: Callable[[], Any]) -> Any:
     try:
         return run()
     except TorchDynamoException as e:
-        if isinstance(e, BackendCompilerFailed) or not any(isinstance(m, _Region) for m in model.modules()):
+        if isinstance(e, BackendCompilerFailed) or not any(_marked(type(m)) for m in model.modules()):
             raise  # piper's own error (the trace got through), or nothing to unmark
         unmark_blocks(model)
         warnings.warn(f"piper: Dynamo could not trace the repeated blocks of {type(model).__name__} as nested "

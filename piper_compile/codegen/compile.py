@@ -101,13 +101,14 @@ class CompiledSegment:
             return
         cut = self._regional()
         graphs = [(self.gm, "")] if cut is None else [(p.gm, p.label) for p in cut.pieces]
-        mode = _fake_mode()
+        mode = None  # one fake mode for the pieces compiled here, made only if one is
         for gm, part in graphs:
             specs = input_specs(gm, symbols, device)
             if specs is None:
                 continue  # a size known only when it runs
             same = (regional.structure_key(gm), _signature(specs), cache.settings())
             if same not in _TRACED and same not in self._ahead:  # else compiled already: no fakes needed
+                mode = mode or _fake_mode()
                 self._ahead[same] = self._compile_graph(gm, _fakes(specs, mode), part, same)
 
     def _compile_graph(self, gm: fx.GraphModule, args: list[Any], part: str,
