@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -11,6 +11,7 @@ from piper_compile.backend import CompiledStep
 from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
 from piper_compile.capture.dynamo import trace
+from piper_compile.gcwindow import young_only
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
@@ -202,6 +203,28 @@ def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> bool:
     return wanted(directives) and bool(mark_repeated_blocks(model))
 
 
+def _first_calls_windowed(traced: Callable[..., Any], model: nn.Module, marked: bool) -> Callable[..., Any]:
+    """``traced`` (the compiled forward), whose first call with and without gradients (Dynamo's trace,
+    capture, planning, loading code) runs in a garbage-collector window (``gcwindow.young_only``); with
+    ``marked`` blocks, a Dynamo failure on them traces the blocks one by one (``capture/blocks.py``)."""
+    done: set[bool] = set()
+
+    @functools.wraps(traced)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        def run() -> Any:
+            return flat_on_failure(model, lambda: traced(*args, **kwargs)) if marked else traced(*args, **kwargs)
+
+        mode = torch.is_grad_enabled()
+        if mode in done:
+            return run()
+        with young_only():
+            out = run()
+        done.add(mode)
+        return out
+
+    return forward
+
+
 def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Module:  # noqa: A001 - piper.compile
     """``torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options={"directives": ..., **options})``
     plus an explicit link from the compiled step to ``model`` (``runtime/registry.ModelLink``): what
@@ -210,9 +233,7 @@ def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Mod
     opts = {**options, "directives": list(directives)}
     marked = _mark_blocks(model, opts)
     compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
-    if marked:  # Dynamo failing on the regions traces the blocks one by one (capture/blocks.py)
-        traced = compiled.forward
-        compiled.forward = functools.wraps(traced)(lambda *a, **k: flat_on_failure(model, lambda: traced(*a, **k)))
+    compiled.forward = _first_calls_windowed(compiled.forward, model, marked)
     linked = link(model, opts)
     linked.handle = compiled.register_forward_pre_hook(linked.record, with_kwargs=True)
     compiled._piper_link = linked  # keeps the link (and so the registry entry) alive with the compiled module

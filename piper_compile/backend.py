@@ -29,6 +29,7 @@ from piper_compile.directives.spec import (
     Checkpoint, Replicate, activation_window, checkpoint_of, filter_matches, split_backward_filters,
 )
 from piper_compile import metrics
+from piper_compile.gcwindow import young_only
 from piper_compile.memory import check_budget, plan_memory
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG
@@ -419,6 +420,12 @@ class CompiledStep:
 
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> tuple[torch.Tensor]:
+        fresh = self.joint is None or self.state is None or not self.state.first_call_done \
+            or (not torch.is_grad_enabled()) not in self.plans
+        with young_only() if fresh else _NULL:  # capture, planning and loading code allocate heavily
+            return self._enter(args)
+
+    def _enter(self, args: tuple[Any, ...]) -> tuple[torch.Tensor]:
         try:
             if self.joint is None:
                 self._capture()
