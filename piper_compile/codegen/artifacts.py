@@ -10,7 +10,7 @@ So once Inductor has compiled or loaded a piece, piper writes down which FX-cach
 what decides that entry: the piece's structure (``regional.structure_key``: ops, arguments, constants),
 its inputs' shapes, strides, dtypes and devices, Inductor's settings and the other process-wide settings
 its own key reads (thread count, default dtype, matmul precision, ...), autocast and SDPA state, torch's
-sources (Inductor's own ``torch_key``), piper's source, and the machine (CPU capability, GPU name and
+sources (by path, size and modification time), piper's source, and the machine (CPU capability, GPU name and
 capability, Triton version); a run with a custom Inductor pass set takes the full path. A later run with the same key loads the entry directly
 (``FxGraphCache._lookup_graph``) and prepares it as Inductor does on a hit (``post_compile``), skipping
 the trace and the hashing. A missing or unreadable entry, a piece whose traced graph held constants, or
@@ -47,11 +47,25 @@ def enabled() -> bool:
 
 
 @functools.cache
+def _torch_sources() -> str:
+    """torch's Python sources, as Inductor's own key sees them (``torch_key``: their contents), by each file's
+    path, size and modification time: an edited file changes it, and walking them costs a third of
+    reading them (which each rank of a warm run would otherwise pay before loading any code)."""
+    root = os.path.dirname(torch.__file__)
+    h = hashlib.sha256(torch.__version__.encode())
+    for top, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith((".py", ".cpp", ".ld")):  # as torch_key: sources, the AOTI interface, the linker script
+                st = os.stat(os.path.join(top, name))
+                h.update(f"{os.path.relpath(top, root)}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+@functools.cache
 def _machine() -> str:
     """What of this machine decides Inductor's code beyond its configuration."""
-    from torch._inductor.codecache import torch_key  # a hash of torch's own sources, as Inductor keys by
-
-    parts = [platform.machine(), platform.python_version(), torch.backends.cpu.get_cpu_capability(), torch_key().hex()]
+    parts = [platform.machine(), platform.python_version(), torch.backends.cpu.get_cpu_capability(), _torch_sources()]
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         parts += [props.name, f"{props.major}.{props.minor}", str(torch.version.cuda)]
