@@ -230,8 +230,8 @@ def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch
     assert runs["auto"] == runs["off"] and runs["auto"][1] == 0
 
 
-@pytest.mark.slow  # in the full suite: four HF models traced twice each
-@pytest.mark.parametrize("family", ["bert", "vit", "gpt_neox", "mistral"])
+@pytest.mark.slow  # in the full suite: nine HF models traced twice each
+@pytest.mark.parametrize("family", ["bert", "vit", "gpt_neox", "mistral", "qwen2", "gemma2", "gemma3", "olmo2", "phi3"])
 def test_hf_families_trace_their_layers_as_regions_and_train_like_flat(monkeypatch, family):
     """The transformers families whose layers Dynamo traces as regions do so under piper.compile (no
     fallback to block-by-block tracing: one region call per layer and pass) and train exactly as flat."""
@@ -240,10 +240,12 @@ def test_hf_families_trace_their_layers_as_regions_and_train_like_flat(monkeypat
     from piper_compile.testing.hf import HFLoss
 
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+    # Gemma 3 alternates sliding-window and full attention: blocks of two kinds
+    extra = {"layer_types": ["sliding_attention", "full_attention"] * 2} if family == "gemma3" else {}
     runs = {}
     for mode in ("off", "auto"):
         monkeypatch.setenv("PIPER_NESTED_REGIONS", mode)
-        model = HFLoss(family, seed=0, num_hidden_layers=4)
+        model = HFLoss(family, seed=0, num_hidden_layers=4, **extra)
         batch = model.make_batch(4, torch.Generator().manual_seed(0))
         step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
         with warnings.catch_warnings():
