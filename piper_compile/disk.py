@@ -61,6 +61,15 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def fast_load_on() -> bool:
+    """``PIPER_FAST_LOAD``: the warm-run shortcuts through torch's private internals (loading compiled code by
+    its key, the vector-ISA probe record); 'auto' is on from ``TESTED_TORCH``."""
+    from piper_compile.knobs import knob
+
+    mode = knob("PIPER_FAST_LOAD")
+    return mode == "on" or (mode == "auto" and torch_version() >= TESTED_TORCH)
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity where the platform tells it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

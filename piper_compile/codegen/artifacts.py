@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.disk import TESTED_TORCH, cache_root, torch_version, trace_settings
-from piper_compile.knobs import knob
+from piper_compile.disk import cache_root, fast_load_on, trace_settings
+
 
 def enabled() -> bool:
     """``PIPER_FAST_LOAD``: ``auto`` is on from torch 2.13 (the Inductor internals it uses are tested there)."""
@@ -40,10 +40,7 @@ def enabled() -> bool:
 
     if inductor_config.triton.cudagraphs:  # a hit's preparation then needs what only compile_fx knows
         return False
-    mode = knob("PIPER_FAST_LOAD")
-    if mode == "auto":
-        return torch_version() >= TESTED_TORCH
-    return mode == "on"
+    return fast_load_on()
 
 
 @functools.cache

@@ -74,11 +74,9 @@ def remembered(probe: Callable[[Any, str], bool]) -> Callable[[Any, str], bool]:
 def _remember_probes() -> None:
     """Install :func:`remembered` on Inductor's vec-ISA load probe (``PIPER_FAST_LOAD``: 'auto' from the torch
     it is tested with; a torch without the probe method is left as it is)."""
-    from piper_compile.disk import TESTED_TORCH, torch_version
-    from piper_compile.knobs import knob
+    from piper_compile.disk import fast_load_on
 
-    mode = knob("PIPER_FAST_LOAD")
-    if mode == "off" or (mode == "auto" and torch_version() < TESTED_TORCH):
+    if not fast_load_on():
         return
     try:
         from torch._inductor.cpu_vec_isa import VecISA
