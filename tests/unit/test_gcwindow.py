@@ -77,7 +77,10 @@ def test_no_window_with_the_knob_off_or_the_collector_off(monkeypatch, why):
         gc.enable()
 
 
-def test_a_step_s_first_call_runs_in_the_window_and_later_calls_do_not(monkeypatch):
+@pytest.mark.parametrize("entry", ["piper.compile", "torch.compile"])
+def test_a_step_s_first_call_in_each_grad_mode_runs_in_the_window(monkeypatch, entry):
+    """Under piper.compile the window opens before Dynamo's trace; under torch.compile(backend="piper")
+    at the step's first call (capture, planning, loading code). Later calls run without one."""
     seen: list[bool] = []
     enter = CompiledStep._enter
 
@@ -88,7 +91,14 @@ def test_a_step_s_first_call_runs_in_the_window_and_later_calls_do_not(monkeypat
     monkeypatch.setattr(CompiledStep, "_enter", spy)
     model = build_model("gpt", 0, layers=2, dim=32, heads=2)
     batch = model.make_batch(4, torch.Generator().manual_seed(0))
-    step = piper.compile(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1), codegen="eager")
-    for _ in range(3):
+    options = {"optimizer": functools.partial(torch.optim.SGD, lr=0.1), "codegen": "eager"}
+    if entry == "piper.compile":
+        step = piper.compile(model, **options)
+    else:
+        step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options={"directives": [], **options})
+    for _ in range(2):
         step(*batch)
-    assert seen == [True, False, False] and gc.get_freeze_count() == 0
+    with torch.no_grad():  # a forward-only plan: its first call is a first call too
+        step(*batch)
+        step(*batch)
+    assert seen == [True, False, True, False] and gc.get_freeze_count() == 0
