@@ -94,9 +94,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "load probe (a child process per ISA) for a probe library that loaded before. 'auto' is on from torch "
          "2.13, where the Inductor internals it uses are tested", choices=("auto", "on", "off")),
     Knob("PIPER_GC_WINDOW", "flag", True, "during a step's first call (trace, capture, planning, loading or "
-         "compiling code), keep Python's garbage collector off the objects alive before it (gc.freeze, undone at "
-         "the end): its full collections no longer walk the whole process; skipped where something else froze "
-         "objects or the collector is off"),
+         "compiling code), keep Python's garbage collector off the objects alive before it (gc.freeze) and collect "
+         "the young generation every 10,000 allocations instead of 700, both undone at the end: its collections no "
+         "longer walk the whole process; skipped where something else froze objects or the collector is off"),
     Knob("PIPER_CAPTURE_CACHE", "choice", "auto", "keep AOTAutograd's joint graph of each distinct model graph in "
          "Inductor's cache directory, so a second run loads it: 'turns' (ranks missing it wait while one exports "
          "it, then load it), 'each' (they export side by side, the first done writes it), 'auto' (turns unless "
