@@ -353,7 +353,7 @@ def update_error(params: dict[int, torch.Tensor], ref: list[torch.Tensor], init:
 
 
 def run_mixed_parity(cfg: RunConfig, world: int, max_err: float = 2e-5, closer: float = 1e-3,
-                     loss_tol: float = 1e-5) -> list[dict[str, Any]]:
+                     loss_tol: float = 1e-5, within_noise: float | None = None) -> list[dict[str, Any]]:
     """A mixed-precision run against the eager reference computing in the same dtypes (``ComputeCopy``).
 
     Why these tolerances: the reference rounds to bf16 where piper does (per micro-batch, per replica,
@@ -363,8 +363,12 @@ def run_mixed_parity(cfg: RunConfig, world: int, max_err: float = 2e-5, closer: 
     near-zero gradients). So: losses agree within ``loss_tol``; parameter updates (after - before,
     relative L2) are within ``max_err`` of the reference's and ``closer`` times nearer to it than to fp32
     training (a run that silently computed in fp32, or reduced in fp32 when asked for bf16, fails);
-    master weights stay fp32. Inductor's bf16 kernels keep fused intermediates in fp32, so its runs
-    pass looser bounds."""
+    master weights stay fp32. Inductor's bf16 kernels keep fused intermediates in fp32 where eager rounds
+    them, so its updates lie between the reference's and fp32 training's, nearer one or the other by the
+    device's kernels (CPU: 0.046 and 0.080; an H200: 0.078 and 0.078): ``within_noise`` = k then bounds
+    them by the dtype's own noise on this model and device, d = the distance between the bf16
+    reference's updates and fp32 training's (CPU 0.077): within k * d of the reference, and at least d / 2
+    from fp32 training (a run that computed in fp32 is ~1e-6 from it)."""
     from piper_compile.testing.launch import run_local
 
     results = run_local(piper_worker, world, cfg, backend=cfg.backend()) if world > 1 else [piper_worker(0, 1, cfg)]
@@ -377,10 +381,24 @@ def run_mixed_parity(cfg: RunConfig, world: int, max_err: float = 2e-5, closer: 
         assert r["scales"] == ref["scales"], f"rank {rank}: loss scales {r['scales']} vs GradScaler's {ref['scales']}"
         assert all(p.dtype == init[k].dtype for k, p in r["params"].items()), f"rank {rank}: master weights changed dtype"
         err, err32 = update_error(r["params"], ref["params"], init), update_error(r["params"], ref32["params"], init)
-        assert err <= max_err and err <= closer * err32, (
-            f"rank {rank}: parameter updates {err:.4f} from the mixed-precision reference (bound {max_err}) and "
-            f"{err32:.4f} from fp32 training (must be at least {1 / closer:.2f}x farther)")
+        if within_noise is None:
+            assert err <= max_err and err <= closer * err32, (
+                f"rank {rank}: parameter updates {err:.4f} from the mixed-precision reference (bound {max_err}) "
+                f"and {err32:.4f} from fp32 training (must be at least {1 / closer:.2f}x farther)")
+        else:
+            _within_noise(rank, err, err32, update_error(dict(enumerate(ref["params"])), ref32["params"], init),
+                          within_noise)
         r["update_error"], r["update_error_fp32"] = err, err32
     covered = {k for r in results for k in r["params"]}
     assert covered == set(range(len(init))), f"parameters {sorted(set(range(len(init))) - covered)} were updated by no rank"
     return results
+
+
+def _within_noise(rank: int, err: float, err32: float, noise: float, k: float) -> None:
+    """``run_mixed_parity(within_noise=k)``: updates ``err`` from the reference within ``k`` times the
+    dtype's noise (the reference's distance from fp32 training) and ``err32`` from fp32 training at least
+    half of it."""
+    assert err <= k * noise and err32 >= noise / 2, (
+        f"rank {rank}: parameter updates {err:.4f} from the mixed-precision reference and {err32:.4f} from fp32 "
+        f"training, where the reference is {noise:.4f} from fp32 training (bounds: at most {k} times that from "
+        f"the reference, at least half of it from fp32 training)")

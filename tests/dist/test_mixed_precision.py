@@ -75,11 +75,13 @@ def test_dp2_bf16_all_reduce_in_bf16():
 
 def test_inductor_bf16_single_rank():
     """The compiled segments in bf16. Inductor's bf16 kernels keep fused intermediates (and its
-    decomposed norms and softmax) in fp32, so they do not round where eager does: 4-5% from eager bf16
-    and 7-8% from fp32 training here. The bounds still fail a run that computed in fp32 (0% from fp32)."""
+    decomposed norms and softmax) in fp32, so they do not round where eager does: 4.6% from eager bf16
+    and 8.0% from fp32 training here, where eager bf16 is 7.7% from fp32 training (AdamW turns rounding
+    into sign flips on near-zero gradients). Bounded by that noise (``within_noise``), which still fails a
+    run that computed in fp32 (0% from fp32) or wrongly (O(1))."""
     cfg = RunConfig(model="gpt", directives=[piper.split(2)], steps=3, optimizer=ADAMW, mixed_precision=BF16,
                     codegen="inductor")
-    res = run_mixed_parity(cfg, 1, max_err=0.06, closer=0.75, loss_tol=2**-6)
+    res = run_mixed_parity(cfg, 1, loss_tol=2**-6, within_noise=1.5)
     assert not res[0]["fallbacks"]
 
 
