@@ -288,6 +288,7 @@ class Executor:
             self.stats.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self.stats.events[0].record()
         step = Step(self, args, check)
+        updates = self.state.updates
         if self.grads is not None:
             self.grads.zero_()
         ran_early: dict[int, bool] = {}  # position -> whether it ran on the side stream
@@ -295,6 +296,8 @@ class Executor:
             self._step(step, pos, ins, ran_early)
         for name in list(step.pending):
             self._timed_wait(step, name)
+        if self.state.updates != updates:  # the next step's compute copies, while the device runs the update
+            self.state.refresh_compute_copies()
         loss = step.result.get("loss")
         if loss is None:  # single rank or loss computed here without a world reduce
             loss = step.loss_sum / step.weights().loss_divisor

@@ -150,6 +150,12 @@ class TrainState:
             return t
         return self._copies.get(fqn, t, self.precision.compute(t), self.updates)
 
+    def refresh_compute_copies(self) -> None:
+        """Mixed precision: cast every master weight changed since its compute copy was made into that
+        copy now (the executor calls it at the end of a step that updated), not at the next read."""
+        if self.precision.active:
+            self._copies.refresh(self.updates)
+
     def compute_copies(self) -> list[torch.Tensor]:
         """Mixed precision: the compute copies held now (``compute_param``)."""
         return self._copies.held()

@@ -56,3 +56,24 @@ def test_a_released_master_is_not_read():
     w.untyped_storage().resize_(0)  # ZeRO-3 released it between steps
     got = cc.get("k", keep, torch.bfloat16, 1)  # the refresh skips w (no storage) instead of reading it
     torch.testing.assert_close(got, keep.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_a_step_that_updated_leaves_its_copies_fresh_for_the_next():
+    """The executor refreshes the copies at the end of a step that updated (the host is then ahead of the
+    device), so the next step's first read finds them current instead of launching the copy itself."""
+    import functools
+
+    import piper_compile as piper
+    from piper_compile.testing.models import build_model
+
+    model = build_model("mlp", 0)
+    step = piper.compile(model, directives=[piper.split(2)], codegen="eager", mixed_precision={"param_dtype": "bf16"},
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    batch = model.make_batch(4, torch.Generator().manual_seed(0))
+    for _ in range(2):
+        step(*batch)
+        state = piper.compiled_steps(step)[0].state
+        copies = state._copies._copies
+        assert copies and all(c.key[0] == state.updates for c in copies.values())
+        for c in copies.values():
+            torch.testing.assert_close(c.copy, c.source.detach().to(torch.bfloat16), rtol=0, atol=0)
