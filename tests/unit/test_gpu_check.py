@@ -20,3 +20,7 @@ def test_gpu_check_cpu_part(tmp_path):
     assert "| SKIP |" in table and "FAIL" not in table, table
     assert "host staging on CPU" in table and "bench_gpu (CPU smoke" in table and "trace yes" in table, table
     assert (tmp_path / "trace" / "rank0.json").exists() and (tmp_path / "bench_gpu.json").exists()
+    assert "split1 ratio" in table and "batch2x ratio" in table, table
+    assert "host returned after" in table and "error" not in table, table
+    for name in ("piper", "peer1", "split1", "batch2x", "peer_batch2x"):  # each profiled step's table of host ops
+        assert "Self CPU" in (tmp_path / f"profile_{name}.txt").read_text()
