@@ -108,8 +108,8 @@ def _global_batch(model: nn.Module, cfg: RunConfig, step: int, n: int) -> tuple[
     return batch
 
 
-def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
-    """One rank of a piper run; returns losses, the parameters it owns (by position) and counters."""
+def build_step(cfg: RunConfig) -> tuple[nn.Module, Any]:
+    """This rank's model and its piper step, compiled with the run's options."""
     import piper_compile as piper
 
     model = _meta_model(cfg) if cfg.meta else _model(cfg)
@@ -129,6 +129,14 @@ def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
         step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
     else:  # mixed precision re-traces the model, a meta one gets stand-ins: piper.compile links the step to it
         step = piper.compile(model, **options)
+    return model, step
+
+
+def piper_worker(rank: int, world: int, cfg: RunConfig) -> dict[str, Any]:
+    """One rank of a piper run; returns losses, the parameters it owns (by position) and counters."""
+    import piper_compile as piper
+
+    model, step = build_step(cfg)
     user_opt = cfg.make_optimizer()(model.parameters()) if cfg.user_optimizer else None
     sched = cfg.make_scheduler(piper.optimizer(step)) if cfg.scheduler else None
     total, rows = sum(cfg.replica_batches(world)), cfg.local_slice(rank, world)
