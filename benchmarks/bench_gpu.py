@@ -17,7 +17,8 @@ process's peak RSS), and how long the host took to return from the step (near th
 the host issuing kernels). ``--out DIR`` also writes the Perfetto trace of one piper step
 (``DIR/trace/``), ``DIR/bench_gpu.json`` and, per variant, the profiled step's table of host ops
 (``DIR/profile_*.txt``). ``--variants`` times piper again with one micro-batch, without regional
-compilation, or on twice the batch (against the peer on that batch). The default model is ~350M parameters (``--preset 350m``); ``--preset
+compilation, on twice the batch (against the peer on that batch), or with the whole step replayed as one
+CUDA graph (``options["cuda_graph"]``; CUDA only). The default model is ~350M parameters (``--preset 350m``); ``--preset
 tiny`` runs in seconds (the CPU smoke run of ``scripts/gpu_check.sh``), where the ratio means little.
 """
 from __future__ import annotations
@@ -175,13 +176,14 @@ def run_piper(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tenso
 
 # name -> (environment, split count, batch multiple); a variant on another batch is compared with the peer
 # on that batch (timed with it)
-VARIANTS = {"split1": ({}, 1, 1), "noregional": ({"PIPER_REGIONAL": "0"}, None, 1), "batch2x": ({}, None, 2)}
+VARIANTS = {"split1": ({}, 1, 1), "noregional": ({"PIPER_REGIONAL": "0"}, None, 1), "batch2x": ({}, None, 2),
+            "cudagraph": ({"PIPER_CUDA_GRAPH": "1"}, None, 1)}
 
 
 def run_variants(cfg: GPTConfig, args: argparse.Namespace, batch: tuple[torch.Tensor, ...], device: torch.device,
                  peer_s: float) -> dict:
     """piper again for each of ``--variants`` (one micro-batch; regional compilation off; twice the
-    batch, micro-batches twice as large), for the next change's direction: step and host seconds, the
+    batch, micro-batches twice as large; the step replayed as a CUDA graph), for the next change's direction: step and host seconds, the
     ratio to the peer, the device's busy share. A variant that fails is reported, not raised."""
     out = {}
     for name in [v for v in args.variants.split(",") if v]:

@@ -48,6 +48,7 @@ from piper_compile.plan.verifier import verify_programs
 from piper_compile.runtime.consistency import (
     CallCheck, CallLayout, CallRecord, call_layout, fingerprint, local_calls, post_failure,
 )
+from piper_compile.runtime import graph as step_graph
 from piper_compile.runtime.executor import Executor
 from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
 from piper_compile.capture.retrace import arg_order, retrace
@@ -468,11 +469,22 @@ class CompiledStep:
                            self.state.device, self.rank)
         if first and self.state.deferred is not None:  # a meta model is initialized: its fallback values can go
             self.state.deferred.replayer.clear()
-        loss = plan.executor.run(list(args), check)
+        loss = self._run(plan.executor, list(args), check, train)
         if train:
             self._log_stats()
             loss = _NoopBackward.apply(loss, _ANCHOR)
         return (loss,)
+
+    def _run(self, executor: Any, args: list[Any], check: CallCheck, train: bool) -> torch.Tensor:
+        """The step on this rank: as planned, or under ``options["cuda_graph"]`` recorded once and replayed."""
+        if not (train and self.options.cuda_graph):
+            return executor.run(args, check)
+        if executor.graph is None:
+            assert self.state is not None and self.joint is not None
+            step_graph.refuse(self.state.device, self.world, self.options.optimizer is not None, self.state.scaler is not None)
+            inputs = frozenset(s.arg_index for s in self.joint.inputs if s.kind == INPUT and s.arg_index is not None)
+            executor.graph = step_graph.StepGraph(executor, inputs)
+        return executor.graph.run(args, check)
 
     def _first_values(self) -> None:
         """Every replica starts from the same weights: rank 0's, broadcast; or, for a model built on the

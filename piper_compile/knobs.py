@@ -73,6 +73,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_REMAT", "flag", True, "default of options['remat']: recompute cheap activations in the backward"),
     Knob("PIPER_OVERLAP_STREAMS", "flag", True, "default of options['overlap_streams']: CUDA overlap slots on "
          "two streams"),
+    Knob("PIPER_CUDA_GRAPH", "flag", False, "default of options['cuda_graph']: on one GPU, replay the whole "
+         "training step as one CUDA graph"),
     Knob("PIPER_REORDER_WINDOW", "int", 8, "default of options['reorder_window']: how many compute steps "
          "ahead the runtime may run while a step waits for its input; 0 keeps program order except for "
          "overlap slots"),

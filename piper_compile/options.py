@@ -18,7 +18,7 @@ from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
                          "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling", "log_stats",
-                         "memory_budget_mb", "init", "init_seed", "init_fn"})
+                         "memory_budget_mb", "init", "init_seed", "init_fn", "cuda_graph"})
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Options:
     log_stats: int = 0  # log piper.stats's line at INFO every N training steps (metrics.py); 0: never
     memory_budget_mb: float | None = None  # reject a plan whose predicted per-rank peak exceeds it (memory.py)
     init: Any = None  # options["init"] / ["init_seed"] for models built on the meta device (init/deferred.py)
+    cuda_graph: bool = False  # one GPU: replay the whole training step as one CUDA graph (runtime/graph.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -58,7 +59,9 @@ class Options:
                          "two streams"),
                    _window(options), Precision.parse(options.get("mixed_precision"), opt is not None,
                                                     options.get("loss_scaling")), _every(options),
-                   _budget(options.get("memory_budget_mb")), InitChoice.parse(options))
+                   _budget(options.get("memory_budget_mb")), InitChoice.parse(options),
+                   _flag(options, "cuda_graph", "on one GPU, record the whole training step once and replay it as "
+                         "one CUDA graph"))
 
 
 def _optimizer(opt: Any) -> Callable[..., torch.optim.Optimizer] | None:

@@ -95,6 +95,7 @@ class Executor:
         self.rec = Recorder.from_env(program, forward_only)  # PIPER_TRACE=dir; a no-op otherwise
         self._sym_cache: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self._handover: dict[str, tuple[str, ...]] = {}  # compute step -> inputs it reads last (``compute``)
+        self.graph: Any = None  # options["cuda_graph"]: the recorded training step (runtime/graph.StepGraph)
         norm = next((i.node.op for i in program.instrs if isinstance(i.node.op, NormReduce)), None)
         self.max_norm = norm.max_norm if norm is not None else 0.0  # options["clip_grad_norm"]
         self.update = program.update_node()
@@ -284,7 +285,7 @@ class Executor:
             check.resolve()  # raises on every rank
         self.rec.step_begin()
         self.stats = StepStats()
-        if self.state.device.type == "cuda":  # the device's step time (piper.stats reads it)
+        if self.state.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():  # piper.stats's device time
             self.stats.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self.stats.events[0].record()
         step = Step(self, args, check)
