@@ -10,8 +10,8 @@ The first ``WARMUP`` training calls run as usual on a side stream (they compile,
 state and the libraries' workspaces, as CUDA graphs need); the next one records the step and replays it
 (the recording itself computes nothing); later calls copy their batch into the recorded inputs and
 replay. Whatever the recording baked in is checked before each replay and the step recorded again when
-it changed: the batch's shapes, the parameters' and the optimizer state's storage (a checkpoint load
-that replaced them) and the optimizer's hyperparameters (an LR schedule: a step with a new learning rate
+it changed: the batch's shapes, the parameters' and the optimizer state's storage and version counters
+(a checkpoint load that replaced or wrote them) and the optimizer's hyperparameters (an LR schedule: a step with a new learning rate
 records again, so a schedule that changes it every step gains nothing). The loss returned is a copy (the
 recorded one is overwritten by the next replay). A step that cannot be recorded (an op that waits for
 the device, such as data-dependent expert routing) runs as usual, with a warning naming why.
@@ -91,20 +91,24 @@ class StepGraph:
         return loss
 
     def _key(self, args: list[Any]) -> tuple[Any, ...]:
-        """What a recording bakes in: the batch's layout, the other tensors' storage, the optimizer's
-        hyperparameters and its state's storage."""
+        """What a recording bakes in: the batch's layout, the other tensors' storage and version, the
+        optimizer's hyperparameters and its state's storage and version. A replay bumps no version (only
+        an op called from Python does), so a changed version is a write from outside the recorded step --
+        a checkpoint load into the parameters -- after which the compute copies the recording reads would
+        be stale: the step is recorded again (its first read of each copy then refreshes it)."""
         opt = self.ex.state.get_optimizer()
         batch = tuple((tuple(args[i].shape), tuple(args[i].stride()), args[i].dtype) for i in sorted(self.batched))
-        fixed = tuple(a.data_ptr() for i, a in enumerate(args) if i not in self.batched and isinstance(a, torch.Tensor))
+        fixed = tuple((a.data_ptr(), a._version) for i, a in enumerate(args)
+                      if i not in self.batched and isinstance(a, torch.Tensor))
         hyper = tuple(tuple(sorted((k, v.data_ptr() if isinstance(v, torch.Tensor) else repr(v))
                                    for k, v in g.items() if k != "params")) for g in opt.param_groups)
-        state = tuple(t.data_ptr() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        state = tuple((t.data_ptr(), t._version) for s in opt.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor))
         return batch, fixed, hyper, state
 
     def _record(self, args: list[Any], check: Any) -> torch.Tensor:
         """Record the step on copies of the batch, then replay it once (the recording computes nothing)."""
         _capturable(self.ex.state.get_optimizer())
-        key = self._key(args)  # after: capturable=True is a hyperparameter too
         self.static = [a.clone() if i in self.batched else a for i, a in enumerate(args)]
         torch.cuda.synchronize(self.stream.device)
         graph, before = torch.cuda.CUDAGraph(), self.ex.state.updates
@@ -121,7 +125,8 @@ class StepGraph:
             torch.cuda.synchronize(self.stream.device)
             return self.ex.run(args, check)
         self.updates = self.ex.state.updates - before  # counted by the recording: the replay below makes them
-        self.graph, self.loss, self.key, self.pool = graph, loss, key, graph.pool()
+        # the key after the recording: its in-place ops bumped the versions (replays will not)
+        self.graph, self.loss, self.key, self.pool = graph, loss, self._key(args), graph.pool()
         self.recorded += 1
         graph.replay()
         return loss.clone()

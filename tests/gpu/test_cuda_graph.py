@@ -1,6 +1,7 @@
 """``options["cuda_graph"]`` on one GPU (runtime/graph.py): the whole training step recorded once and
 replayed matches the same step run as usual, against eager too, in fp32 and bf16; a new learning rate
-records the step again; the loss of each step is its own. Skipped without CUDA."""
+records the step again, so does a write into the parameters from outside the step (the recorded compute
+copies would be stale); the loss of each step is its own. Skipped without CUDA."""
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,7 @@ def test_replayed_steps_match_eager_training(monkeypatch):
     run_parity(cfg, 1, rtol=1e-3, atol=1e-4)  # cuBLAS picks other kernels per micro-batch shape (test_shared_gpu)
 
 
-def _run(graph: bool, steps: int, lr_at: int | None = None, **options):
+def _run(graph: bool, steps: int, lr_at: int | None = None, write_at: int | None = None, **options):
     torch.manual_seed(0)
     model = build_model("gpt", 0, **GPT).cuda()
     step = piper.compile(model, directives=[piper.split(2)], codegen="inductor", cuda_graph=graph,
@@ -35,6 +36,9 @@ def _run(graph: bool, steps: int, lr_at: int | None = None, **options):
         if s == lr_at:
             for g in piper.optimizer(step).param_groups:
                 g["lr"] = 3e-4
+        if s == write_at:  # a write into the parameters from outside the step (a checkpoint load)
+            with torch.no_grad():
+                next(model.parameters()).mul_(0.5)
         x, y = (t.cuda() for t in model.make_batch(8, torch.Generator().manual_seed(s)))
         losses.append(step(x, y))
     params = [p.detach().clone() for p in model.parameters()]
@@ -57,6 +61,16 @@ def test_a_replay_computes_what_the_step_run_as_usual_computes(precision):
 def test_a_new_learning_rate_records_the_step_again():
     step, losses, params = _run(True, 6, lr_at=4)
     _, want, want_params = _run(False, 6, lr_at=4)
+    assert piper.compiled_steps(step)[0].plans[False].executor.graph.recorded == 2
+    torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
+    for p, q in zip(params, want_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_write_into_the_parameters_records_again_with_fresh_compute_copies():
+    options = {"mixed_precision": {"param_dtype": "bf16"}}
+    step, losses, params = _run(True, 6, write_at=4, **options)
+    _, want, want_params = _run(False, 6, write_at=4, **options)
     assert piper.compiled_steps(step)[0].plans[False].executor.graph.recorded == 2
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
     for p, q in zip(params, want_params):
