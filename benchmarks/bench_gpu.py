@@ -272,11 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
               "params": nparams, "preset": args.preset, "batch": args.batch, "seq": cfg.seq,
               "microbatches": args.microbatches, "tokens_per_step": tokens, "peak_tflops": peak, "peak_source": source,
               "piper": mine, "peer": peer, "ratio": mine["step_s"] / peer["step_s"],
-              "peer_accum": accum, "ratio_accum": mine["step_s"] / accum["step_s"],
-              "variants": run_variants(cfg, args, batch, device, peer["step_s"])}
+              "peer_accum": accum, "ratio_accum": mine["step_s"] / accum["step_s"], "variants": {}}
     for r in (mine, peer, accum):
         r["tokens_per_s"] = tokens / r["step_s"]
         r["mfu"] = mine["flops"] / r["step_s"] / 1e12 / peak if peak else 0.0
+    if args.out:  # the main figures first: a run stopped in the variants still reports them
+        Path(args.out, "bench_gpu.json").write_text(json.dumps(result, indent=1))
+    result["variants"] = run_variants(cfg, args, batch, device, peer["step_s"])
     print(_summary(result, cfg), flush=True)
     if args.out:
         Path(args.out, "bench_gpu.json").write_text(json.dumps(result, indent=1))

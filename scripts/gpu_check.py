@@ -76,32 +76,43 @@ def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
         ["--batch", "16"] if gpu else ["--preset", "tiny", "--codegen", "eager", "--steps", "3"])
     t0 = time.perf_counter()
     log = out / "bench_gpu.log"
+    late = ""
     with log.open("w") as f:
         try:
             proc = subprocess.run([sys.executable, "benchmarks/bench_gpu.py", *args], cwd=ROOT, timeout=timeout,
                                   stdout=f, stderr=subprocess.STDOUT, text=True)
         except subprocess.TimeoutExpired:
-            return [("bench_gpu", "FAIL", f"timed out after {timeout}s: {log.read_text()[-300:]}",
-                     time.perf_counter() - t0)]
+            if not (out / "bench_gpu.json").exists():  # written before the variants run
+                return [("bench_gpu", "FAIL", f"timed out after {timeout}s: {log.read_text()[-300:]}",
+                         time.perf_counter() - t0)]
+            late = f"timed out after {timeout}s in the variants (their figures are missing); "
     secs = time.perf_counter() - t0
-    if proc.returncode != 0:
+    if not late and proc.returncode != 0:
         return [("bench_gpu", "FAIL", log.read_text().strip().splitlines()[-1][:200], secs)]
-    r = json.loads((out / "bench_gpu.json").read_text())
+    return [_bench_row(json.loads((out / "bench_gpu.json").read_text()), gpu, secs, late)]
+
+
+def _bench_row(r: dict, gpu: bool, secs: float, late: str) -> Row:
+    """The table's row for ``bench_gpu.json``: the ratio against the target, and what else it measured."""
     p, q = r["piper"], r["peer"]
     shape = f"batch {r.get('batch')} x {r.get('seq')}, {r.get('microbatches')} micro-batches"
     what = (f"bench_gpu (350M bf16, {shape}, piper vs torch.compile)" if gpu
             else f"bench_gpu (CPU smoke: tiny, eager, {shape})")
-    detail = (f"ratio piper/peer {r['ratio']:.3f} (vs the peer accumulating the same micro-batches "
+    variants = r.get("variants", {})
+    detail = (f"{late}ratio piper/peer {r['ratio']:.3f} (vs the peer accumulating the same micro-batches "
               f"{r['ratio_accum']:.3f}); tok/s {p['tokens_per_s']:,.0f} vs {q['tokens_per_s']:,.0f}; "
               f"MFU {100 * p['mfu']:.1f}% vs {100 * q['mfu']:.1f}% of {r['peak_tflops']:.3g} TFLOP/s "
               f"({r['peak_source']}); peak {p['peak_bytes'] / 2**30:.2f} vs {q['peak_bytes'] / 2**30:.2f} GiB; "
               f"trace {'yes' if Path(p.get('trace', '')).exists() else 'no'}{_busy(p, q)}; host returned after "
               f"{1e3 * p['host_s']:.1f} vs {1e3 * q['host_s']:.1f} ms"
               + "".join(f"; {n} ratio {v['ratio']:.3f}" + (f" ({v['error'][:80]})" if "error" in v else "")
-                        for n, v in r.get("variants", {}).items()))
-    # the target on a GPU: piper's throughput at least 0.95x torch.compile's; the CPU smoke run only has to run
-    verdict = "PASS" if not gpu or r["ratio"] <= 1 / 0.95 else "BELOW TARGET (>= 0.95x torch.compile throughput)"
-    return [(what, verdict, detail, secs)]
+                        for n, v in variants.items()))
+    # the target on a GPU: piper's throughput at least 0.95x torch.compile's (as the step runs by default, or
+    # with options["cuda_graph"], said so); the CPU smoke run only has to run
+    graph = variants.get("cudagraph", {}).get("ratio", float("nan"))
+    verdict = ("PASS" if not gpu or r["ratio"] <= 1 / 0.95 else "PASS with options['cuda_graph']"
+               if graph <= 1 / 0.95 else "BELOW TARGET (>= 0.95x torch.compile throughput)")
+    return (what, verdict, detail, secs)
 
 
 def _busy(p: dict, q: dict) -> str:
