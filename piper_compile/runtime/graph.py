@@ -10,16 +10,16 @@ The first ``WARMUP`` training calls run as usual on a side stream (they compile,
 state and the libraries' workspaces, as CUDA graphs need); the next one records the step and replays it
 (the recording itself computes nothing); later calls copy their batch into the recorded inputs and
 replay. Whatever the recording baked in is checked before each replay and the step recorded again when
-it changed: the batch's shapes, the parameters' and the optimizer state's storage and version counters
-(a checkpoint load that replaced or wrote them) and the optimizer's hyperparameters (an LR schedule: a step with a new learning rate
-records again, so a schedule that changes it every step gains nothing). The loss returned is a copy (the
-recorded one is overwritten by the next replay). A step that cannot be recorded (an op that waits for
-the device, such as data-dependent expert routing) runs as usual, with a warning naming why.
+it changed: the batch's shapes, the storage and version counters of the parameters and the optimizer
+state (a checkpoint load that replaced or wrote them), and the optimizer's hyperparameters (a step with a
+new learning rate records again, so a schedule that changes it every step gains nothing). The loss
+returned is a copy (the recorded one is overwritten by the next replay). A step that cannot be recorded
+(an op that waits for the device, such as data-dependent expert routing) runs as usual, with a warning
+naming why.
 
 Only where nothing else can change a replayed step: one rank (a world of one process), a piper optimizer
 (one with a ``capturable`` flag takes its capturable path from the recording on), no fp16 loss scaling
-(its skip decision is the host's). A
-replayed step's ``piper.stats`` are the recorded step's accounting.
+(its skip decision is the host's). A replayed step's ``piper.stats`` are the recorded step's accounting.
 """
 from __future__ import annotations
 
