@@ -154,6 +154,7 @@ def _die_silently(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # ~8 s; the fast subset keeps the timeout test beside it
 def test_run_local_reports_a_rank_that_died_without_reporting_at_once():
     """Before: the parent waited ``timeout_s`` for a report that never came."""
     t0 = time.perf_counter()
