@@ -22,7 +22,6 @@ default only where it is tested (torch 2.13 and later; ``PIPER_FAST_LOAD``).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -170,7 +169,7 @@ def _lookup(inductor_key: str, fakes: list[Any]) -> Any:
     from torch._inductor.utils import BoxedBool
 
     mode = detect_fake_mode(fakes)
-    with torch.utils._python_dispatch._disable_current_modes(), tracing(TracingContext(mode)), _no_header_build():
+    with torch.utils._python_dispatch._disable_current_modes(), tracing(TracingContext(mode)):
         constants = CompiledFxGraphConstants()
         graph, _ = FxGraphCache._lookup_graph(inductor_key, fakes, True, None, constants)
         if graph is None:
@@ -178,16 +177,3 @@ def _lookup(inductor_key: str, fakes: list[Any]) -> Any:
         graph.post_compile(fakes, constants, {"cudagraphs": BoxedBool(False), "is_backward": False,
                                               "static_input_idxs": (), "boxed_forward_device_index": None})
     return graph
-
-
-def _no_header_build() -> Any:
-    """Inductor's precompiled C++ header off while a hit loads: before it looks for a kernel library on
-    disk, Inductor preprocesses its prefix header in a ``g++ -E`` child and hashes the output (once per
-    process, ~0.4 s on a warm first step), which only a library it must still build can use. A hit's
-    libraries are on disk (their path does not depend on the header); one that is missing is built without
-    the header: slower, the same code."""
-    import torch._inductor.config as inductor_config
-
-    if not hasattr(inductor_config, "cpp_cache_precompile_headers"):
-        return contextlib.nullcontext()
-    return inductor_config.patch(cpp_cache_precompile_headers=False)
