@@ -53,8 +53,8 @@ class LossScaler:
             self.skipped += 1
             return None
         inv = 1.0 / used
-        for g in grads:
-            g.mul_(inv)
+        if grads:
+            torch._foreach_mul_(grads, inv)  # one multi-tensor kernel, not one per gradient
         return grad_sq * (inv * inv)
 
     def _update(self, finite: bool) -> None:

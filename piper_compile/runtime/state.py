@@ -287,15 +287,16 @@ class TrainState:
         piece; the other data-parallel replicas hold copies); every other whole gradient by the first rank
         of the group that wrote it (data-parallel replicas, parameters replicated inside a tensor-parallel
         group and sequence-parallel partial gradients all hold the same value once synchronised)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
         upd: Update = node.op
         experts = set(upd.ep_params)
         first = node.devices[0]
+        counted = []
         for f in self._whole(upd, sorted(upd.norm_params)):
             sh = self.shards.get(f)
             counts = first in sh.group if sh is not None and sh.kind == "tp" else rank == first
             if counts or f in experts:
-                total += grads.view(f).float().pow(2).sum()
+                counted.append(grads.view(f))
+        total = sum_of_squares(counted, self.device)
         for b in upd.shards:
             total += self._shard_grad_sq(b, grads, first)
         return total
@@ -336,9 +337,7 @@ class TrainState:
             if grad_sq is None:
                 return
         if grad_sq is not None and max_norm:
-            coef = (max_norm / (grad_sq.sqrt() + 1e-6)).clamp(max=1.0)
-            for _, g in pairs:
-                g.mul_(coef.to(g.dtype))
+            scale_all([g for _, g in pairs], (max_norm / (grad_sq.sqrt() + 1e-6)).clamp(max=1.0))
         for p, g in pairs:
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         seen = Allocations() if self.updates == MEASURED_UPDATE else None
@@ -348,3 +347,28 @@ class TrainState:
         self.updates += 1
         for p, _ in pairs:
             p.grad = None
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The fp32 sum of the squares of every element of ``tensors``: one multi-tensor norm kernel per
+    dtype (``torch._foreach_norm``, as ``clip_grad_norm_`` computes it) instead of three kernels per
+    tensor (~900 launches a step on a 24-layer GPT)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in _by_dtype(tensors).values():
+        norms = torch._foreach_norm([t.float() for t in group] if group[0].dtype != torch.float32 else group)
+        total += torch.stack(norms).float().pow(2).sum()
+    return total
+
+
+def scale_all(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every tensor in place by the scalar tensor ``coef`` (cast to its dtype): one multi-tensor
+    kernel per dtype."""
+    for dtype, group in _by_dtype(tensors).items():
+        torch._foreach_mul_(group, coef.to(dtype))
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return out
