@@ -309,12 +309,9 @@ class TrainState:
         bk = self.zero.buckets[name]  # type: ignore[union-attr]
         g = self.zero.shard_grad(name, grads.bucket(name) if bk.level == 1 else None)  # type: ignore[union-attr]
         if first in bk.devices:
-            return g.float().pow(2).sum()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for f, _, start, n in bk.local_pieces():
-            if f in self.shards and self.shards[f].kind == "tp":
-                total += g[start:start + n].float().pow(2).sum()
-        return total
+            return sum_of_squares([g], self.device)
+        return sum_of_squares([g[start:start + n] for f, _, start, n in bk.local_pieces()
+                               if f in self.shards and self.shards[f].kind == "tp"], self.device)
 
     def apply_update(self, upd: Update, grads: GradBuffers, params: dict[str, nn.Parameter],
                      grad_sq: torch.Tensor | None = None, max_norm: float = 0.0) -> None:
