@@ -93,7 +93,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_FAST_LOAD", "choice", "auto", "on a warm run, load each compiled segment piece straight from the "
          "FX-graph-cache entry it came from last time (written down per piece, its inputs and the machine), skipping "
          "its re-trace and Inductor's hashing; any miss or error compiles as usual. Also skips Inductor's vector-ISA "
-         "load probe (a child process per ISA) for a probe library that loaded before. 'auto' is on from torch "
+         "load probe (a child process per ISA) for a probe library that loaded before, and its preprocessing of the "
+         "C++ prefix header (a g++ -E child per process) to name a precompiled header it named before. 'auto' is "
+         "on from torch "
          "2.13, where the Inductor internals it uses are tested", choices=("auto", "on", "off")),
     Knob("PIPER_GC_WINDOW", "flag", True, "during a step's first call (trace, capture, planning, loading or "
          "compiling code), keep Python's garbage collector off the objects alive before it (gc.freeze) and collect "

@@ -12,7 +12,11 @@ On a warm run the probe's libraries are in the cache already, but Inductor still
 starting a child Python that ``dlopen``s it: about 0.7 s of CPU per rank, which ranks sharing cores feel.
 Where ``PIPER_FAST_LOAD`` is on, piper writes down each library that loaded (its path, size and time, with
 torch's own library and version); the same library on the same torch is not probed again. A failed probe
-is never written down, so it runs again every time, as in Inductor.
+is never written down, so it runs again every time, as in Inductor. Likewise Inductor names its
+precompiled C++ header by preprocessing the header in a ``g++ -E`` child and hashing the output (~0.4 s
+per process, before it even looks for a kernel library on disk); piper writes down the name it got, keyed
+by the header, the compile command, the compiler and torch's install, and a later process takes it while
+that precompiled header is on disk -- the same name, so the same compile commands.
 """
 from __future__ import annotations
 
@@ -71,9 +75,84 @@ def remembered(probe: Callable[[Any, str], bool]) -> Callable[[Any, str], bool]:
     return load
 
 
+def _header_mark(header: str, cmd_line: str, command: dict[str, Any]) -> str | None:
+    """Where the precompiled ``header`` for this compile command is written down: keyed by the header,
+    the command (its compiler by path, size and time), the header file itself and torch's version and CPU
+    library (a reinstalled torch brings new headers), and the interpreter."""
+    import shutil
+
+    import torch
+
+    from piper_compile.disk import cache_root
+
+    root = os.path.dirname(torch.__file__)
+    try:
+        compiler = shutil.which(cmd_line.split(" ", 1)[0]) or ""
+        stats = [os.stat(f) for f in (compiler, os.path.join(root, "include", header),
+                                      os.path.join(root, "lib", "libtorch_cpu.so"))]
+    except OSError:
+        return None
+    text = "|".join([header, cmd_line, repr(sorted(command.items(), key=lambda kv: kv[0])), compiler, torch.__version__,
+                     sys.executable, *(f"{st.st_size}:{st.st_mtime_ns}" for st in stats)])
+    return os.path.join(cache_root(), "piper-pch", hashlib.sha256(text.encode()).hexdigest()[:32])
+
+
+def remembered_header(build: Callable[..., str]) -> Callable[..., str]:
+    """``build(header, cmd_line, **command)`` (Inductor's ``_precompile_header``: preprocesses the header in
+    a ``g++ -E`` child and hashes the output to name the precompiled header, ~0.4 s once per process, then
+    builds it if missing) that returns the path it gave last time for the same key while that precompiled
+    header is still on disk. The path, and so every compile command, is the one Inductor computes."""
+    seen: dict[str, str] = {}
+
+    def precompile(header: str, cmd_line: str, **command: Any) -> str:
+        mark = _header_mark(header, cmd_line, command)
+        if mark is not None and mark in seen:
+            return seen[mark]
+        try:
+            with open(mark or "", encoding="utf-8") as fh:
+                path = fh.read()
+        except OSError:
+            path = ""
+        if not (path and os.path.exists(path) and os.path.exists(path + ".gch")):
+            path = build(header, cmd_line, **command)
+            if mark is not None and os.path.exists(path + ".gch"):
+                _write(mark, path)
+        if mark is not None:
+            seen[mark] = path
+        return path
+
+    precompile.piper_remembered = True  # type: ignore[attr-defined]
+    precompile.__wrapped__ = build  # type: ignore[attr-defined]
+    return precompile
+
+
+def _write(path: str, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (ranks write the same record at once)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # only the shortcut is lost
+
+
+def _remember_headers() -> None:
+    """Install :func:`remembered_header` on Inductor's header precompiler (where it has one)."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:
+        return
+    build = getattr(codecache, "_precompile_header", None)
+    if callable(build) and not getattr(build, "piper_remembered", False):
+        codecache._precompile_header = remembered_header(build)
+
+
 def _remember_probes() -> None:
-    """Install :func:`remembered` on Inductor's vec-ISA load probe (``PIPER_FAST_LOAD``: 'auto' from the torch
-    it is tested with; a torch without the probe method is left as it is)."""
+    """Install :func:`remembered` on Inductor's vec-ISA load probe and :func:`remembered_header` on its header
+    precompiler (``PIPER_FAST_LOAD``: 'auto' from the torch it is tested with; a torch without them is left
+    as it is)."""
     from piper_compile.disk import fast_load_on
 
     if not fast_load_on():
@@ -85,6 +164,7 @@ def _remember_probes() -> None:
     probe = getattr(VecISA, "_probe_load", None)
     if callable(probe) and not getattr(probe, "piper_remembered", False):
         VecISA._probe_load = remembered(probe)  # type: ignore[method-assign]
+    _remember_headers()
 
 
 def start(device_type: str, codegen: str) -> None:

@@ -192,3 +192,63 @@ def test_the_probe_record_is_installed_only_where_fast_load_is_on(monkeypatch):
     assert getattr(installed, "piper_remembered", False) and installed.__wrapped__ is base
     warmup._remember_probes()
     assert VecISA._probe_load is installed  # installed once
+
+
+def test_the_precompiled_header_is_named_once_per_key(monkeypatch, tmp_path):
+    """Inductor names its precompiled header by preprocessing it in a ``g++ -E`` child (~0.4 s per process);
+    a later process with the same key takes the path written down, while the precompiled header is on disk.
+    Another command, or the precompiled header gone, asks Inductor again."""
+    from piper_compile.codegen import warmup
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    calls: list[str] = []
+
+    def build(header: str, cmd_line: str, **command: object) -> str:
+        calls.append(cmd_line)
+        path = tmp_path / f"h{len(calls)}.h"
+        path.write_text(f"#include <{header}>\n")
+        (tmp_path / f"h{len(calls)}.h.gch").write_bytes(b"pch")
+        return str(path)
+
+    header, cmd = "torch/csrc/inductor/cpp_prefix.h", "g++ i -o o -O3"
+    first = warmup.remembered_header(build)(header, cmd, min_optimize=False)
+    again = warmup.remembered_header(build)  # a new process: nothing remembered in memory
+    assert again(header, cmd, min_optimize=False) == first and len(calls) == 1
+    assert again(header, cmd, min_optimize=True) != first and len(calls) == 2  # another command
+    os.remove(first + ".gch")
+    fresh = warmup.remembered_header(build)(header, cmd, min_optimize=False)
+    assert fresh != first and len(calls) == 3  # built again by Inductor, and written down
+    assert warmup.remembered_header(build)(header, cmd, min_optimize=False) == fresh and len(calls) == 3
+
+
+def test_a_warm_process_does_not_preprocess_the_header(monkeypatch, tmp_path):
+    """End to end: after a cold run in this cache directory, a process that has not named the header yet
+    (its in-memory caches cleared) loads every piece without running the preprocessor."""
+    import torch._inductor.codecache as codecache
+
+    from piper_compile.codegen import warmup
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PIPER_FAST_LOAD", "on")
+    build = codecache._precompile_header
+    build = build.__wrapped__ if getattr(build, "piper_remembered", False) else build
+    monkeypatch.setattr(codecache, "_precompile_header", build)  # as torch has it: piper installs its record
+    _run(1)
+    assert getattr(codecache._precompile_header, "piper_remembered", False)
+    preprocessed: list[str] = []
+    builder = codecache.CppBuilder.build
+
+    def watch(self: object) -> None:
+        target = self.get_target_file_path()  # type: ignore[attr-defined]
+        if target.endswith(".i"):
+            preprocessed.append(target)
+        return builder(self)
+
+    build.cache_clear()
+    codecache.CppPythonBindingsCodeCache.cache.clear()
+    monkeypatch.setattr(warmup, "_remember_headers", lambda: None)  # a new process installs it afresh
+    monkeypatch.setattr(codecache, "_precompile_header", warmup.remembered_header(build))
+    monkeypatch.setattr(codecache.CppBuilder, "build", watch)
+    warm = _run(1)
+    assert warm[2].fast_loads >= 2 and warm[2].cache_misses == 0, warm[2]
+    assert preprocessed == [], preprocessed
