@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import threading
 from typing import Any, Callable
@@ -92,7 +93,8 @@ def _header_mark(header: str, cmd_line: str, command: dict[str, Any]) -> str | N
                                       os.path.join(root, "lib", "libtorch_cpu.so"))]
     except OSError:
         return None
-    text = "|".join([header, cmd_line, repr(sorted(command.items(), key=lambda kv: kv[0])), compiler, torch.__version__,
+    options = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(sorted(command.items(), key=lambda kv: kv[0])))  # the vec ISA's repr
+    text = "|".join([header, cmd_line, options, compiler, torch.__version__,
                      sys.executable, *(f"{st.st_size}:{st.st_mtime_ns}" for st in stats)])
     return os.path.join(cache_root(), "piper-pch", hashlib.sha256(text.encode()).hexdigest()[:32])
 

@@ -210,15 +210,18 @@ def test_the_precompiled_header_is_named_once_per_key(monkeypatch, tmp_path):
         (tmp_path / f"h{len(calls)}.h.gch").write_bytes(b"pch")
         return str(path)
 
+    class Isa:  # as Inductor's vector ISA objects: a repr naming the object's address
+        pass
+
     header, cmd = "torch/csrc/inductor/cpp_prefix.h", "g++ i -o o -O3"
-    first = warmup.remembered_header(build)(header, cmd, min_optimize=False)
-    again = warmup.remembered_header(build)  # a new process: nothing remembered in memory
-    assert again(header, cmd, min_optimize=False) == first and len(calls) == 1
-    assert again(header, cmd, min_optimize=True) != first and len(calls) == 2  # another command
+    first = warmup.remembered_header(build)(header, cmd, min_optimize=False, vec_isa=Isa())
+    again = warmup.remembered_header(build)  # a new process: nothing remembered in memory, other objects
+    assert again(header, cmd, min_optimize=False, vec_isa=Isa()) == first and len(calls) == 1
+    assert again(header, cmd, min_optimize=True, vec_isa=Isa()) != first and len(calls) == 2  # another command
     os.remove(first + ".gch")
-    fresh = warmup.remembered_header(build)(header, cmd, min_optimize=False)
+    fresh = warmup.remembered_header(build)(header, cmd, min_optimize=False, vec_isa=Isa())
     assert fresh != first and len(calls) == 3  # built again by Inductor, and written down
-    assert warmup.remembered_header(build)(header, cmd, min_optimize=False) == fresh and len(calls) == 3
+    assert warmup.remembered_header(build)(header, cmd, min_optimize=False, vec_isa=Isa()) == fresh and len(calls) == 3
 
 
 def test_a_warm_process_does_not_preprocess_the_header(monkeypatch, tmp_path):
