@@ -64,11 +64,7 @@ def remembered(probe: Callable[[Any, str], bool]) -> Callable[[Any, str], bool]:
             return True
         ok = probe(isa, library)
         if ok and mark is not None:
-            try:
-                os.makedirs(os.path.dirname(mark), exist_ok=True)
-                open(mark, "w").close()
-            except OSError:
-                pass  # only the shortcut is lost
+            _write(mark, "")
         return ok
 
     load.piper_remembered = True  # type: ignore[attr-defined]
