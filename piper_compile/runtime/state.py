@@ -348,12 +348,12 @@ class TrainState:
 
 def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The fp32 sum of the squares of every element of ``tensors``: one multi-tensor norm kernel per
-    dtype (``torch._foreach_norm``, as ``clip_grad_norm_`` computes it) instead of three kernels per
-    tensor (~900 launches a step on a 24-layer GPT)."""
+    dtype (``torch._foreach_norm``, as ``clip_grad_norm_`` computes it, accumulating in fp32 without fp32
+    copies of bf16/fp16 tensors) instead of three kernels per tensor (~900 launches a step on a 24-layer
+    GPT)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group in _by_dtype(tensors).values():
-        norms = torch._foreach_norm([t.float() for t in group] if group[0].dtype != torch.float32 else group)
-        total += torch.stack(norms).float().pow(2).sum()
+        total += torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).pow(2).sum()
     return total
 
 

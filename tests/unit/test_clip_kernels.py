@@ -39,7 +39,7 @@ def test_the_norm_and_the_scaling_do_not_grow_with_the_parameter_count():
 def test_sum_of_squares_and_scale_all_match_the_per_tensor_forms():
     g = torch.Generator().manual_seed(3)
     ts = [torch.randn(5, 7, generator=g), torch.randn(3, generator=g).to(torch.bfloat16), torch.randn(0),
-          torch.randn(11, 2, generator=g)]
+          torch.randn(11, 2, generator=g), torch.full((4,), 60000.0, dtype=torch.float16)]  # its norm overflows fp16
     expect = sum(t.float().pow(2).sum() for t in ts)
     torch.testing.assert_close(sum_of_squares(ts, torch.device("cpu")), expect, rtol=1e-6, atol=0)
     coef = torch.tensor(0.37)
