@@ -154,7 +154,7 @@ def _die_silently(rank: int, world: int) -> int:
     return rank
 
 
-@pytest.mark.slow  # ~8 s; the fast subset keeps the timeout test beside it
+@pytest.mark.slow  # ~8 s; the full suite runs it
 def test_run_local_reports_a_rank_that_died_without_reporting_at_once():
     """Before: the parent waited ``timeout_s`` for a report that never came."""
     t0 = time.perf_counter()
@@ -194,6 +194,7 @@ def _stuck_in_a_wait(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # ~9 s; the full suite runs it
 def test_run_local_timeout_shows_where_each_running_rank_is():
     """A hung run says where: the ranks still running dump their threads' stacks (SIGUSR1, faulthandler)
     into the error (the GPU check's hang showed only the launcher's own stack)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -48,6 +49,7 @@ def test_sum_of_squares_and_scale_all_match_the_per_tensor_forms():
     assert all(torch.equal(a, b) for a, b in zip(ts, scaled))
 
 
+@pytest.mark.slow  # a compiled run and its eager reference; the op counts above stay in the fast subset
 def test_one_rank_clipped_adamw_matches_eager_clipping():
     """Losses and parameters after 3 steps as eager training with ``clip_grad_norm_`` (which also takes
     the norm with ``_foreach_norm``); the norm is far above the bound, so every step clips."""

@@ -29,6 +29,7 @@ def test_gpt2_with_labels_compiles_despite_warning_once():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # ~7 s: plans a transformers model twice; the full suite runs it
 def test_values_made_before_the_layers_join_the_first_stage_that_uses_them():
     """Gemma 2/3 with a sliding-window layer 0 and a full-attention layer 1 build layer 1's mask first, from
     ``cache_position = arange(seq)``, which layer 0 reads too. By "first tagged user" the arange joined
