@@ -47,6 +47,19 @@ def one_at_a_time(key: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def write_record(path: str, text: str) -> None:
+    """Write a small record (a cache shortcut) whole or not at all: readers, and ranks writing the same
+    record at once, see a whole file or none; a directory that cannot be written loses only the shortcut."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def constant_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of a real tensor (a graph constant whose value a cache key must include)."""
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()

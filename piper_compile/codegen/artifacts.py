@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from piper_compile.disk import cache_root, fast_load_on, trace_settings
+from piper_compile.disk import cache_root, fast_load_on, trace_settings, write_record
 
 
 def enabled() -> bool:
@@ -133,15 +133,7 @@ def remember(k: str, static: fx.GraphModule, compiled: Any) -> None:
     inductor_key = getattr(compiled, "_fx_graph_cache_key", None)
     if not inductor_key or static.graph.find_nodes(op="get_attr") or _recorded(k) == inductor_key:
         return
-    path = _path(k)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w") as fh:
-            fh.write(inductor_key)
-        os.replace(tmp, path)  # readers see a whole record or none
-    except OSError:
-        pass  # only the shortcut is lost
+    write_record(_path(k), inductor_key)
 
 
 def load(k: str, args: list[Any]) -> Callable[[list[Any]], Any] | None:

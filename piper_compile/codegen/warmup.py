@@ -20,12 +20,15 @@ that precompiled header is on disk -- the same name, so the same compile command
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
 import sys
 import threading
 from typing import Any, Callable
+
+from piper_compile.disk import write_record
 
 _started: threading.Thread | None = None
 _lock = threading.Lock()
@@ -64,7 +67,7 @@ def remembered(probe: Callable[[Any, str], bool]) -> Callable[[Any, str], bool]:
             return True
         ok = probe(isa, library)
         if ok and mark is not None:
-            _write(mark, "")
+            write_record(mark, "")
         return ok
 
     load.piper_remembered = True  # type: ignore[attr-defined]
@@ -100,12 +103,9 @@ def remembered_header(build: Callable[..., str]) -> Callable[..., str]:
     a ``g++ -E`` child and hashes the output to name the precompiled header, ~0.4 s once per process, then
     builds it if missing) that returns the path it gave last time for the same key while that precompiled
     header is still on disk. The path, and so every compile command, is the one Inductor computes."""
-    seen: dict[str, str] = {}
-
+    @functools.cache  # once per process and arguments, as Inductor's own
     def precompile(header: str, cmd_line: str, **command: Any) -> str:
         mark = _header_mark(header, cmd_line, command)
-        if mark is not None and mark in seen:
-            return seen[mark]
         try:
             with open(mark or "", encoding="utf-8") as fh:
                 path = fh.read()
@@ -114,26 +114,12 @@ def remembered_header(build: Callable[..., str]) -> Callable[..., str]:
         if not (path and os.path.exists(path) and os.path.exists(path + ".gch")):
             path = build(header, cmd_line, **command)
             if mark is not None and os.path.exists(path + ".gch"):
-                _write(mark, path)
-        if mark is not None:
-            seen[mark] = path
+                write_record(mark, path)
         return path
 
     precompile.piper_remembered = True  # type: ignore[attr-defined]
     precompile.__wrapped__ = build  # type: ignore[attr-defined]
     return precompile
-
-
-def _write(path: str, text: str) -> None:
-    """``text`` into ``path`` whole or not at all (ranks write the same record at once)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # only the shortcut is lost
 
 
 def _remember_headers() -> None:
