@@ -90,9 +90,12 @@ def _target_text(target: Any) -> str | None:
         return None
 
 
-def _graph_text(gm: fx.GraphModule, h: Any, names: dict[str, str] | None = None) -> bool:
-    """Feed ``gm``'s nodes (and its subgraphs and constants) into ``h``; False when one cannot be keyed."""
+def _graph_text(gm: fx.GraphModule, h: Any, names: dict[str, str] | None = None,
+                seen: set[int] | None = None) -> bool:
+    """Feed ``gm``'s nodes (and its subgraphs and constants) into ``h``; False when one cannot be keyed. A
+    subgraph or constant read again (a repeated block's body, once per call) is fed once, then named."""
     names = {} if names is None else names
+    seen = set() if seen is None else seen
     for node in gm.graph.nodes:
         if node.op == "call_module":
             return False
@@ -104,14 +107,17 @@ def _graph_text(gm: fx.GraphModule, h: Any, names: dict[str, str] | None = None)
         h.update(canonical_region_names(f"{node.op}|{node.name}|{target}|{node.args}|{node.kwargs}|{node.meta.get('custom')}|"
                             f"{node.meta.get('stack_trace')}|{stacks}|{_value_text(node.meta.get('example_value'))}\n",
                             names).encode())
-        if node.op == "get_attr" and not _attr_text(getattr(gm, str(node.target), None), h, names):
+        if node.op == "get_attr" and not _attr_text(getattr(gm, str(node.target), None), h, names, seen):
             return False
     return True
 
 
-def _attr_text(value: Any, h: Any, names: dict[str, str]) -> bool:
+def _attr_text(value: Any, h: Any, names: dict[str, str], seen: set[int]) -> bool:
+    if value is not None and id(value) in seen:
+        return True  # fed at its first read; the node's text names it
+    seen.add(id(value))
     if isinstance(value, fx.GraphModule):
-        return _graph_text(value, h, names)
+        return _graph_text(value, h, names, seen)
     if isinstance(value, torch.Tensor):
         h.update(_value_text(value).encode())
         if value.device.type != "meta" and not isinstance(value, torch._subclasses.FakeTensor):

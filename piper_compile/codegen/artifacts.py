@@ -160,8 +160,12 @@ def _lookup(inductor_key: str, fakes: list[Any]) -> Any:
     from torch._inductor.output_code import CompiledFxGraphConstants
     from torch._inductor.utils import BoxedBool
 
+    from piper_compile.codegen import light_load
+
+    light_load.install()
     mode = detect_fake_mode(fakes)
-    with torch.utils._python_dispatch._disable_current_modes(), tracing(TracingContext(mode)):
+    with torch.utils._python_dispatch._disable_current_modes(), tracing(TracingContext(mode)), \
+            light_load.no_compiler_import():
         constants = CompiledFxGraphConstants()
         graph, _ = FxGraphCache._lookup_graph(inductor_key, fakes, True, None, constants)
         if graph is None:
