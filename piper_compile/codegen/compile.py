@@ -157,9 +157,6 @@ class CompiledSegment:
     def _inductor(self, gm: fx.GraphModule, args: list[Any], same: tuple[str, Signature, str]) -> tuple[Any, str]:
         """(compiled function, cache outcome) of ``gm`` traced for ``args``' concrete shapes; ``same`` is its
         (structure key, input signature, Inductor settings)."""
-        from torch._inductor.decomposition import select_decomp_table
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         warmup.wait()
         use_cache = bool(knob("PIPER_INDUCTOR_CACHE"))
         fast = artifacts.key(*same) if use_cache and artifacts.enabled() else None
@@ -168,6 +165,9 @@ class CompiledSegment:
                 loaded = artifacts.load(fast, args)
                 if loaded is not None:
                     return loaded, "loaded"
+            from torch._inductor.decomposition import select_decomp_table  # a load does without its imports
+            from torch.fx.experimental.proxy_tensor import make_fx
+
             static = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
             compiled, how = cache.compile_once(static, args, use_cache=use_cache)
             if fast is not None and how in ("hit", "miss"):
