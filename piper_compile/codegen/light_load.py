@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from piper_compile.codegen.hooks import wrap_once
+
 # Inductor's extern kernels that are torch's own functions of the same name.
 TORCH_KERNELS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_int_mm", "_scaled_mm", "_grouped_mm")
 
@@ -89,20 +91,12 @@ def light_reload(reload: Callable[..., ModuleType]) -> Callable[..., ModuleType]
             sys.modules[mod.__name__] = mod
         return mod
 
-    load.piper_light = True  # type: ignore[attr-defined]
-    load.__wrapped__ = reload  # type: ignore[attr-defined]
     return load
 
 
 def install() -> None:
     """Install :func:`light_reload` on Inductor's wrapper loader (a torch without one is left as it is)."""
-    try:
-        from torch._inductor import codecache
-    except ImportError:
-        return
-    reload = getattr(codecache, "_reload_python_module", None)
-    if callable(reload) and not getattr(reload, "piper_light", False):
-        codecache._reload_python_module = light_reload(reload)
+    wrap_once("torch._inductor.codecache", "_reload_python_module", light_reload)
 
 
 _GRAPH = "torch._inductor.graph"

@@ -28,6 +28,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from piper_compile.codegen.hooks import wrap_once
 from piper_compile.disk import write_record
 
 _started: threading.Thread | None = None
@@ -70,8 +71,6 @@ def remembered(probe: Callable[[Any, str], bool]) -> Callable[[Any, str], bool]:
             write_record(mark, "")
         return ok
 
-    load.piper_remembered = True  # type: ignore[attr-defined]
-    load.__wrapped__ = probe  # type: ignore[attr-defined]
     return load
 
 
@@ -117,20 +116,12 @@ def remembered_header(build: Callable[..., str]) -> Callable[..., str]:
                 write_record(mark, path)
         return path
 
-    precompile.piper_remembered = True  # type: ignore[attr-defined]
-    precompile.__wrapped__ = build  # type: ignore[attr-defined]
     return precompile
 
 
 def _remember_headers() -> None:
     """Install :func:`remembered_header` on Inductor's header precompiler (where it has one)."""
-    try:
-        from torch._inductor import codecache
-    except ImportError:
-        return
-    build = getattr(codecache, "_precompile_header", None)
-    if callable(build) and not getattr(build, "piper_remembered", False):
-        codecache._precompile_header = remembered_header(build)
+    wrap_once("torch._inductor.codecache", "_precompile_header", remembered_header)
 
 
 def _remember_probes() -> None:
@@ -145,9 +136,7 @@ def _remember_probes() -> None:
         from torch._inductor.cpu_vec_isa import VecISA
     except ImportError:
         return
-    probe = getattr(VecISA, "_probe_load", None)
-    if callable(probe) and not getattr(probe, "piper_remembered", False):
-        VecISA._probe_load = remembered(probe)  # type: ignore[method-assign]
+    wrap_once(VecISA, "_probe_load", remembered)
     _remember_headers()
 
 

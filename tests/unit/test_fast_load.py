@@ -189,7 +189,7 @@ def test_the_probe_record_is_installed_only_where_fast_load_is_on(monkeypatch):
     monkeypatch.setenv("PIPER_FAST_LOAD", "on")
     warmup._remember_probes()
     installed = VecISA._probe_load
-    assert getattr(installed, "piper_remembered", False) and installed.__wrapped__ is base
+    assert installed.piper_wrapper is warmup.remembered and installed.__wrapped__ is base
     warmup._remember_probes()
     assert VecISA._probe_load is installed  # installed once
 
@@ -235,10 +235,10 @@ def test_a_warm_process_does_not_preprocess_the_header(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PIPER_FAST_LOAD", "on")
     build = codecache._precompile_header
-    build = build.__wrapped__ if getattr(build, "piper_remembered", False) else build
+    build = build.__wrapped__ if getattr(build, "piper_wrapper", None) else build
     monkeypatch.setattr(codecache, "_precompile_header", build)  # as torch has it
     warmup._remember_headers()  # what the first step of a process does (once: this one may have done it)
-    assert getattr(codecache._precompile_header, "piper_remembered", False)
+    assert codecache._precompile_header.piper_wrapper is warmup.remembered_header
     assert codecache._precompile_header.__wrapped__ is build
     build.cache_clear()  # as a new process: no header named, no kernel library loaded
     codecache.CppPythonBindingsCodeCache.cache.clear()

@@ -121,3 +121,25 @@ def test_a_warm_process_never_imports_inductors_compiler(tmp_path):
     assert warm["fast"] == cold["misses"] and warm["misses"] == 0, warm
     assert warm["heavy"] == [], warm["heavy"]
     assert (warm["losses"], warm["params"]) == (cold["losses"], cold["params"])  # bitwise: the same code ran
+
+
+def test_a_wrapper_is_installed_once_and_only_where_torch_has_the_function():
+    from types import SimpleNamespace
+
+    from piper_compile.codegen.hooks import wrap_once
+
+    def base(x: int) -> int:
+        return x + 1
+
+    def twice(f):
+        return lambda x: 2 * f(x)
+
+    owner = SimpleNamespace(f=base)
+    wrap_once(owner, "f", twice)
+    installed = owner.f
+    assert installed(1) == 4 and installed.__wrapped__ is base and installed.piper_wrapper is twice
+    wrap_once(owner, "f", twice)
+    assert owner.f is installed  # once
+    wrap_once(owner, "missing", twice)
+    assert not hasattr(owner, "missing")  # another torch: left as it is
+    wrap_once("no_such_module_here", "f", twice)  # no module: nothing
