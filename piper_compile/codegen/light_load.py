@@ -13,15 +13,16 @@ imports as usual later). Where the module is imported already, nothing changes.
 Every wrapper module Inductor generates starts by importing ``extern_kernels`` from
 ``torch._inductor.select_algorithm`` and ``_align`` from ``torch._inductor.codegen.memory_planning``.
 Importing those two modules imports Inductor's lowerings, its kernel templates and flex attention: ~0.6 s
-of CPU per process, on a warm run that compiles nothing and
-only calls ``extern_kernels.mm`` / ``addmm``, which are ``torch.mm`` / ``torch.addmm``.
+of CPU per process, on a warm run that compiles nothing and only calls ``extern_kernels.mm`` / ``addmm``,
+which are ``torch.mm`` / ``torch.addmm``.
 
-So where ``PIPER_FAST_LOAD`` loads pieces from Inductor's cache, piper reads each wrapper module with those
+So from a process's first fast load on (``PIPER_FAST_LOAD``), piper reads each wrapper module with those
 two lines pointed at the same objects from where they are cheap: ``_align`` from ``torch._inductor.utils``
 (where ``memory_planning`` takes it from), and ``extern_kernels`` from :data:`extern_kernels` below, whose
 torch functions are the ones Inductor registers under the same names (a unit test checks each is the very
 object in Inductor's namespace) and which takes any other name from Inductor's namespace, importing it then.
-A wrapper whose lines differ (another torch) is read unchanged. The code that runs is the same.
+A wrapper whose lines differ (another torch) is read unchanged; wrappers a later compilation in the process
+writes are read the same way (their modules are imported by then anyway). The code that runs is the same.
 """
 from __future__ import annotations
 
