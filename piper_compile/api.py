@@ -10,7 +10,7 @@ from torch import nn
 from piper_compile.backend import CompiledStep
 from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
-from piper_compile.capture.dynamo import trace
+from piper_compile.capture.dynamo import capture_settings, trace
 from piper_compile.gcwindow import young_only
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
@@ -206,13 +206,16 @@ def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> bool:
 def _first_calls_windowed(traced: Callable[..., Any], model: nn.Module, marked: bool) -> Callable[..., Any]:
     """``traced`` (the compiled forward), whose first call with and without gradients (Dynamo's trace,
     capture, planning, loading code) runs in a garbage-collector window (``gcwindow.young_only``); with
-    ``marked`` blocks, a Dynamo failure on them traces the blocks one by one (``capture/blocks.py``)."""
+    ``marked`` blocks, a Dynamo failure on them traces the blocks one by one (``capture/blocks.py``).
+    Every call runs under piper's Dynamo settings (``capture/dynamo.capture_settings``): a recompile
+    traces as the first trace did."""
     done: set[bool] = set()
 
     @functools.wraps(traced)
     def forward(*args: Any, **kwargs: Any) -> Any:
         def run() -> Any:
-            return flat_on_failure(model, lambda: traced(*args, **kwargs)) if marked else traced(*args, **kwargs)
+            with capture_settings(args, kwargs):
+                return flat_on_failure(model, lambda: traced(*args, **kwargs)) if marked else traced(*args, **kwargs)
 
         mode = torch.is_grad_enabled()
         if mode in done:

@@ -107,8 +107,9 @@ def unmark_blocks(model: nn.Module) -> int:
 def flat_on_failure(model: nn.Module, run: Callable[[], Any]) -> Any:
     """``run()`` (a Dynamo trace of ``model``), and, where Dynamo fails on a model whose blocks piper marked
     as nested compile regions, ``run()`` again with the blocks unmarked (traced one by one, as with
-    ``PIPER_NESTED_REGIONS=off``), with a warning: Dynamo's region support has gaps (HF GPT-2's blocks fail
-    its stamp-out), and a region is only ever a shortcut. A failure of the flat trace is the user's error."""
+    ``PIPER_NESTED_REGIONS=off``), with a warning: Dynamo's region support has gaps (HF GPT-2's blocks
+    fail its stamp-out where their floats are inputs), and a region is only ever a shortcut. A failure of
+    the flat trace is the user's error."""
     from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
 
     try:

@@ -53,6 +53,34 @@ def forward_of_its_own(model: nn.Module) -> Iterator[None]:
             del model.__dict__["forward"]
 
 
+def takes_floats(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a Python float is among a call's arguments (at any depth of its lists, tuples and dicts)."""
+    from torch.utils._pytree import tree_leaves
+
+    return any(type(x) is float for x in tree_leaves((args, kwargs)))
+
+
+@contextlib.contextmanager
+def capture_settings(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """The Dynamo settings piper traces a call with (``piper.compile``'s forward, ``trace``).
+
+    Floats become constants (``torch._dynamo.config.specialize_float``): under ``dynamic=True`` Dynamo
+    otherwise passes every float attribute of the model (RMSNorm ``eps``, attention ``scaling``) as a
+    0-dim input read with ``.item()``, which costs the trace ~4 ms each (a third of a second for a
+    32-layer model) and which Inductor cannot compile (``passes/graph.py``'s ``specialize_floats`` makes
+    them constants after the trace instead, for ``torch.compile(model, backend="piper")``). Dynamo guards
+    each constant, so a changed attribute compiles the step again (with piper's one-line recompile
+    message), never a stale one. A call that passes floats itself keeps Dynamo's default: those stay
+    inputs, a new value each step must not compile again, and the pass makes the attributes constants."""
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.specialize_float or takes_floats(args, kwargs):
+        yield
+        return
+    with dynamo_config.patch(specialize_float=True):
+        yield
+
+
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Traced:
     """Dynamo's graph of ``model(*args, **kwargs)`` (whole, symbolic batch); runs nothing and leaves no
     Dynamo cache entry on the model's code."""
@@ -62,6 +90,6 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
         captured.update(gm=gm, inputs=list(example_inputs), sources=source_names(gm))
         return lambda *a: (torch.zeros(()),)  # only the graph is needed: run nothing
 
-    with forward_of_its_own(model):
+    with forward_of_its_own(model), capture_settings(args, kwargs or {}):
         torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*args, **(kwargs or {}))
     return Traced(captured["gm"], captured["inputs"], captured["sources"])

@@ -11,9 +11,9 @@ Needs ``transformers`` (the ``test`` extra pins the version these tests were wri
 
 With ``dynamic=True`` Dynamo passes the float attributes of transformers' modules (RMSNorm
 ``variance_epsilon``, rotary ``attention_scaling``, attention ``scaling``) as 0-dim tensor graph inputs read
-with ``.item()``; piper feeds them every step, but ``codegen="inductor"`` cannot retrace those forward
-segments and runs them eagerly (a warning). ``torch._dynamo.config.specialize_float = True`` makes them
-constants (guarded) and every segment compiles.
+with ``.item()``, which Inductor cannot compile. piper makes them constants (``piper.compile`` traces with
+Dynamo's ``specialize_float``, ``capture/dynamo.capture_settings``; under a plain ``torch.compile`` the
+``specialize_floats`` graph pass does) and every segment compiles.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """The model's float attributes (RMSNorm eps, attention scaling) are compiled as constants (passes/graph.py
 ``specialize_floats``): Inductor then compiles every segment of a transformers Llama (before: the forward
 segments fell back to eager on ``aten._local_scalar_dense``); a changed attribute is a piper: error, never a
-silently stale constant; a float passed to forward stays an input."""
+silently stale constant; a float passed to forward stays an input. Under piper.compile of a forward that
+takes no float, Dynamo itself traces the attributes as constants (``capture/dynamo.capture_settings``): a
+changed one compiles the step again, with piper's one-line message."""
 from __future__ import annotations
 
 import functools
@@ -59,6 +61,50 @@ def test_float_attribute_is_a_constant_and_a_forward_float_stays_an_input():
     m.eps = 1e-3
     with pytest.raises(PiperError, match=r"L\['self'\].eps was 1e-05 when this step was compiled and is 0.001 now"):
         step(torch.randn(4, 8), torch.zeros(4, 8), 1.0)
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.eps = 1e-5
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return F.mse_loss(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps), y)
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(i)), torch.full((4, 8), 0.5)
+
+
+def test_a_changed_float_attribute_compiles_the_step_again_and_trains_exactly():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = Normed()
+    ref = Normed()
+    ref.load_state_dict(m.state_dict())
+    step = piper.compile(m, codegen="eager", optimizer=SGD)
+    opt = SGD(ref.parameters())
+    got, want = [], []
+    for i, eps in enumerate([1e-5, 1e-5, 0.5, 0.5]):
+        m.eps = ref.eps = eps
+        if i == 2:
+            with pytest.warns(UserWarning, match=r"piper: Dynamo compiles the piper step again: a guard failed: "
+                                                 r".*eps.*"):
+                got.append(step(*_batch(i)).item())
+        else:
+            got.append(step(*_batch(i)).item())
+        loss = ref(*_batch(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert piper.compiled_steps(step)[0].float_constants == {}  # no float reached piper's graph as an input
+    assert piper.stats(step).recompiles == 1
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -141,14 +141,32 @@ def test_regions_train_bitwise_like_a_flat_capture(monkeypatch, stages):
         assert torch.equal(params[k], flat_params[k]), k
 
 
+def _train_plain(model: nn.Module, directives: list[Any], steps: int = 3) -> tuple[list[float], Any]:
+    """``_train`` under the user's own ``torch.compile(model, backend="piper")`` (Dynamo's default settings:
+    float attributes reach piper as inputs) with the repeated blocks marked as piper.compile marks them.
+    Dynamo's state of ``GPT.forward`` is reset first: its record of earlier traces (a float traced as a
+    constant stays one when it has not changed) would decide instead of its settings."""
+    torch._dynamo.reset()
+    blocks.mark_repeated_blocks(model)
+    batch = model.make_batch(8, torch.Generator().manual_seed(1))
+    step = torch.compile(model, backend="piper", dynamic=True, fullgraph=True,
+                         options={"directives": directives, "optimizer": SGD})
+    losses = [float(step(*batch).detach()) for _ in range(steps)]
+    return losses, piper.compiled_steps(step)[0]
+
+
 def test_float_attributes_inside_regions_become_constants(monkeypatch):
+    """piper.compile traces floats as constants (``capture_settings``): Dynamo's graph has no float input;
+    under the user's own torch.compile the ``specialize_floats`` pass finds them inside the regions."""
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
-    model = _gpt()
-    _, _, step, module = _train(model, [piper.split(1)], steps=1)
-    eps = sorted(src for src, _ in step.float_constants.values())
-    assert sum("ln1" in s for s in eps) == 4 and sum("ln2" in s for s in eps) == 4, eps
-    assert step.joint.region_calls == 8
+    _, _, step, module = _train(_gpt(), [piper.split(1)], steps=1)
+    assert step.float_constants == {} and step.joint.region_calls == 8
+    assert not [s for s in step.joint.inputs if "eps" in s.name], "an eps reached the graph as an input"
     assert piper.stats(module).fallbacks == 0
+    _, plain = _train_plain(_gpt(), [piper.split(1)], steps=1)
+    eps = sorted(src for src, _ in plain.float_constants.values())
+    assert sum("ln1" in s for s in eps) == 4 and sum("ln2" in s for s in eps) == 4, eps
+    assert plain.joint.region_calls == 8
 
 
 def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkeypatch):
@@ -159,12 +177,17 @@ def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkey
         model = _gpt()
         model.blocks[2].ln1.eps = 1e-3  # one body cannot hold both values
         runs[mode] = _train(model, [piper.split(1)])
-    assert runs["auto"][2].joint.region_calls == 0  # inlined in Dynamo's graph before the export
+    # piper.compile: Dynamo's constants tell block 2 from the others, whose region it does not reuse
+    assert runs["auto"][2].joint.region_calls == 6 and runs["off"][2].joint.region_calls == 0
     assert runs["auto"][0] == runs["off"][0]
-    assert {k: v for k, v in runs["auto"][2].float_constants.values()} == \
-        {k: v for k, v in runs["off"][2].float_constants.values()}
     for k, v in runs["off"][1].items():
         assert torch.equal(runs["auto"][1][k], v), k
+    model = _gpt()
+    model.blocks[2].ln1.eps = 1e-3
+    losses, plain = _train_plain(model, [piper.split(1)])
+    assert plain.joint.region_calls == 0  # inlined in Dynamo's graph before the export
+    assert losses == runs["off"][0]
+    assert [v for src, v in plain.float_constants.values() if "ln1" in src] == [1e-5] * 2 + [1e-3] + [1e-5]
 
 
 @pytest.mark.parametrize("inside", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -206,19 +229,33 @@ def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp
         assert torch.equal(second[1][k], v), k
 
 
+class _Tempered(nn.Module):
+    """A model whose forward takes a float (which stays an input, and so do the model's float attributes)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, temp: float) -> torch.Tensor:
+        return self.inner(x, y) * temp
+
+
 def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch):
-    """HF GPT-2's blocks fail Dynamo's region stamp-out (an internal error on a float read inside the
-    blocks): piper warns, unmarks them and traces block by block, and trains exactly as with regions off."""
+    """HF GPT-2's blocks fail Dynamo's region stamp-out where their float attributes are inputs (an internal
+    error on a float read inside the blocks; here because forward takes a float): piper warns, unmarks them
+    and traces block by block, and trains exactly as with regions off. With piper's own settings (floats
+    constant) the same blocks trace as regions."""
     from piper_compile.testing.hf import HFLoss
 
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
     runs = {}
-    for mode in ("off", "auto"):
+    for mode, tempered in (("off", True), ("auto", True), ("auto", False)):
         monkeypatch.setenv("PIPER_NESTED_REGIONS", mode)
-        model = HFLoss("gpt2", seed=0, num_hidden_layers=2)
-        batch = model.make_batch(4, torch.Generator().manual_seed(0))
+        inner = HFLoss("gpt2", seed=0, num_hidden_layers=2)
+        batch = (*inner.make_batch(4, torch.Generator().manual_seed(0)), *((1.0,) if tempered else ()))
+        model = _Tempered(inner) if tempered else inner
         step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
-        if mode == "auto":
+        if (mode, tempered) == ("auto", True):
             assert any(isinstance(m, blocks._Region) for m in model.modules())
             with pytest.warns(UserWarning, match="tracing them one by one"):
                 losses = [float(step(*batch).detach())]
@@ -226,8 +263,9 @@ def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch
         else:
             losses = [float(step(*batch).detach())]
         losses.append(float(step(*batch).detach()))
-        runs[mode] = (losses, piper.compiled_steps(step)[0].joint.region_calls)
-    assert runs["auto"] == runs["off"] and runs["auto"][1] == 0
+        runs[mode, tempered] = (losses, piper.compiled_steps(step)[0].joint.region_calls)
+    assert runs["auto", True] == runs["off", True] and runs["auto", True][1] == 0
+    assert runs["auto", False] == (runs["off", True][0], 4)
 
 
 @pytest.mark.slow  # in the full suite: nine HF models traced twice each
