@@ -303,6 +303,18 @@ class TiedMLP(nn.Module):
         return torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
 
 
+class FloatArgument(nn.Module):
+    """``inner``'s loss times a float the forward takes: a model whose call passes a Python float, under
+    which piper keeps Dynamo's floats symbolic (``capture/dynamo.capture_settings``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.inner(x, y) * scale
+
+
 MODELS = {"tied_mlp": TiedMLP, "mlp": MLPChain, "buffered_mlp": BufferedMLP, "autocast_mlp": AutocastMLP, "skip": SkipNet, "gpt": GPT, "moegpt": MoEGPT, "moe": MoENet, "shared_norm": SharedNormMLP,
           "gelu_tanh": TanhGELUMLP}
 

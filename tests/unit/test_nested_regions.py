@@ -16,7 +16,7 @@ import piper_compile as piper
 from piper_compile.capture import blocks
 from piper_compile.capture.regions import block_of
 from piper_compile.capture.subgraphs import calls_of
-from piper_compile.testing.models import GPT, GPTConfig, build_model
+from piper_compile.testing.models import GPT, FloatArgument, GPTConfig, build_model
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -229,17 +229,6 @@ def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp
         assert torch.equal(second[1][k], v), k
 
 
-class _Tempered(nn.Module):
-    """A model whose forward takes a float (which stays an input, and so do the model's float attributes)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, temp: float) -> torch.Tensor:
-        return self.inner(x, y) * temp
-
-
 def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch):
     """HF GPT-2's blocks fail Dynamo's region stamp-out where their float attributes are inputs (an internal
     error on a float read inside the blocks; here because forward takes a float): piper warns, unmarks them
@@ -253,7 +242,7 @@ def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch
         monkeypatch.setenv("PIPER_NESTED_REGIONS", mode)
         inner = HFLoss("gpt2", seed=0, num_hidden_layers=2)
         batch = (*inner.make_batch(4, torch.Generator().manual_seed(0)), *((1.0,) if tempered else ()))
-        model = _Tempered(inner) if tempered else inner
+        model = FloatArgument(inner) if tempered else inner
         step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
         if (mode, tempered) == ("auto", True):
             assert any(isinstance(m, blocks._Region) for m in model.modules())

@@ -3,22 +3,10 @@ recomputed there, never received as a tensor."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import piper_compile as piper
 from piper_compile.ir.dag import Kind
-from piper_compile.testing.models import build_model
-
-
-class _Scaled(nn.Module):
-    """A model whose forward takes a float: Dynamo then keeps floats symbolic (``capture_settings``)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.inner(x, y) * scale
+from piper_compile.testing.models import FloatArgument, build_model
 
 
 def _pp2_plan(float_arg: bool) -> piper.StaticPlan:
@@ -27,7 +15,7 @@ def _pp2_plan(float_arg: bool) -> piper.StaticPlan:
     x, y = model.make_batch(4, torch.Generator().manual_seed(0))
     dirs = [*piper.pipeline(2), piper.split(2), *piper.schedules.one_f_one_b(2, 2)]
     if float_arg:
-        return piper.plan(_Scaled(model), x, y, 1.0, directives=dirs, world_size=2)
+        return piper.plan(FloatArgument(model), x, y, 1.0, directives=dirs, world_size=2)
     return piper.plan(model, x, y, directives=dirs, world_size=2)
 
 
