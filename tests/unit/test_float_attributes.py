@@ -118,3 +118,18 @@ def test_llama_compiles_every_segment_with_inductor():
     assert r["fallbacks"] == []
     ref = eager_reference(cfg, 1)
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+
+
+def test_capture_settings_specialize_floats_only_inside_and_only_without_a_float_argument():
+    import torch._dynamo.config as dynamo_config
+
+    from piper_compile.capture.dynamo import capture_settings
+
+    x = torch.zeros(2)
+    assert dynamo_config.specialize_float is False
+    with pytest.raises(ValueError), capture_settings((x, x), {}):
+        assert dynamo_config.specialize_float is True
+        raise ValueError  # a failed trace puts the setting back too
+    assert dynamo_config.specialize_float is False
+    with capture_settings((x,), {"opts": {"temp": [0.5]}}):  # a float at any depth stays an input
+        assert dynamo_config.specialize_float is False
