@@ -7,6 +7,7 @@ in the graph (its earliest stage); a graph with no tags at all is one region ``{
 """
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections import defaultdict
@@ -51,12 +52,18 @@ def boundary_kind(node: fx.Node) -> str | None:
     tensor/sequence-parallel markers of :mod:`piper_compile.nn.tp` (``shard_tensor``)."""
     if node.op != "call_function":
         return None
+    return _boundary_ops().get(node.target)  # type: ignore[arg-type]
+
+
+@functools.cache
+def _boundary_ops() -> dict[Any, str]:
+    """The boundary ops by target (read for every node of every cut: built once)."""
     from piper_compile.nn.moe import BACKWARD_OP, FORWARD_OP
     from piper_compile.nn import tp
 
     return {FORWARD_OP: "moe_fwd", BACKWARD_OP: "moe_bwd", tp.ALLREDUCE_OP: "tp_allreduce",
             tp.ALL_GATHER_OP: "tp_all_gather", tp.REDUCE_SCATTER_OP: "tp_reduce_scatter",
-            tp.GATHER_OP: "tp_gather", tp.SCATTER_OP: "tp_scatter"}.get(node.target)  # type: ignore[arg-type]
+            tp.GATHER_OP: "tp_gather", tp.SCATTER_OP: "tp_scatter"}
 
 
 def _tags(node: fx.Node) -> dict[str, Any]:

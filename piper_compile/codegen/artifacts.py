@@ -48,15 +48,23 @@ def _torch_sources() -> str:
     """torch's Python sources, as Inductor's own key sees them (``torch_key``: their contents), by each file's
     path, size and modification time: an edited file changes it, and walking them costs a third of
     reading them (which each rank of a warm run would otherwise pay before loading any code)."""
-    root = os.path.dirname(torch.__file__)
-    h = hashlib.sha256(torch.__version__.encode())
-    for top, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in sorted(files):
-            if name.endswith((".py", ".cpp", ".ld")):  # as torch_key: sources, the AOTI interface, the linker script
-                st = os.stat(os.path.join(top, name))
-                h.update(f"{os.path.relpath(top, root)}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
+    lines: list[str] = [torch.__version__]
+    _walk(os.path.dirname(torch.__file__), ".", lines)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _walk(path: str, rel: str, lines: list[str]) -> None:
+    """``path``'s source files (as ``torch_key``: ``.py``, the AOTI interface ``.cpp``, the linker script
+    ``.ld``) by path, size and time, in name order, below it first where a folder comes (symbolic links to
+    folders are not followed)."""
+    with os.scandir(path) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            _walk(e.path, f"{rel}/{e.name}", lines)
+        elif e.name.endswith((".py", ".cpp", ".ld")):
+            st = e.stat()
+            lines.append(f"{rel}/{e.name}:{st.st_size}:{st.st_mtime_ns}")
 
 
 @functools.cache

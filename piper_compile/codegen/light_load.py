@@ -23,6 +23,13 @@ torch functions are the ones Inductor registers under the same names (a unit tes
 object in Inductor's namespace) and which takes any other name from Inductor's namespace, importing it then.
 A wrapper whose lines differ (another torch) is read unchanged; wrappers a later compilation in the process
 writes are read the same way (their modules are imported by then anyway). The code that runs is the same.
+
+A loaded piece's every call (``CompiledFxGraph.__call__``) reads three flags of ``torch._inductor.debug``,
+a module whose import brings Inductor's IR and scheduler (~0.1 s of CPU per process, a tenth of a warm
+rank's own work). Until something imports that module, :class:`DebugFlags` stands in for it as
+``torch._inductor``'s attribute (not in ``sys.modules``): its flags read the real module's defaults, or the
+real module's values once it is imported; setting one, or asking for any other name, imports the real
+module, which then replaces the stand-in as the package's attribute (the import system's own step).
 """
 from __future__ import annotations
 
@@ -101,6 +108,43 @@ def install() -> None:
 
 
 _GRAPH = "torch._inductor.graph"
+_DEBUG = "torch._inductor.debug"
+# The flags a compiled piece's call reads, with their values in torch._inductor.debug as it is imported.
+DEBUG_FLAGS = {"RECORD_GRAPH_EXECUTION": False, "GRAPH_EXECUTION_ORDER": None, "GRAPH_COMPILE_IDS": None}
+
+
+def _flag(name: str) -> property:
+    def read(_: ModuleType) -> Any:
+        real = sys.modules.get(_DEBUG)
+        return DEBUG_FLAGS[name] if real is None else getattr(real, name)
+
+    def write(_: ModuleType, value: Any) -> None:
+        setattr(importlib.import_module(_DEBUG), name, value)
+
+    return property(read, write)
+
+
+class DebugFlags(ModuleType):
+    """``torch._inductor.debug`` as a loaded piece's call reads it, before the real module is imported (see
+    the module's docstring); anything else is the real module's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module(_DEBUG), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(importlib.import_module(_DEBUG), name, value)
+
+
+for _name in DEBUG_FLAGS:
+    setattr(DebugFlags, _name, _flag(_name))
+
+
+def _debug_flags() -> None:
+    """Make ``torch._inductor.debug`` readable without importing it (a :class:`DebugFlags`), unless it is."""
+    import torch._inductor as inductor
+
+    if _DEBUG not in sys.modules and not hasattr(inductor, "debug"):
+        inductor.debug = DebugFlags(_DEBUG)  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -112,7 +156,7 @@ def no_compiler_import() -> Iterator[None]:
     if _GRAPH in sys.modules:
         yield
         return
-    importlib.import_module("torch._inductor.debug")  # the loaded code reads it; the compiler import brings it
+    _debug_flags()  # a loaded piece's call reads its flags; the compiler import brings the real module
 
     stand_in = ModuleType(_GRAPH)
     stand_in.GraphLowering = type("GraphLowering", (), {"save_output_code": None})  # type: ignore[attr-defined]

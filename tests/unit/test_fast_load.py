@@ -110,6 +110,24 @@ class _Compiled:
     _fx_graph_cache_key = "fabc"
 
 
+def test_the_torch_sources_walk_lists_each_source_by_path_size_and_time_in_order(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.py").write_text("x = 1\n")
+    (tmp_path / "a.py").write_text("a = 1\n")
+    (tmp_path / "c.cpp").write_text("int c;\n")
+    (tmp_path / "notes.txt").write_text("not a source\n")
+    (tmp_path / "link").symlink_to(tmp_path / "b", target_is_directory=True)  # not followed, as os.walk
+    lines: list[str] = []
+    artifacts._walk(str(tmp_path), ".", lines)
+    assert [ln.split(":")[0] for ln in lines] == ["./a.py", "./b/x.py", "./c.cpp"]
+    assert lines[1].split(":")[1] == "6"
+    (tmp_path / "b" / "x.py").write_text("x = 2\n")  # an edit of the same size: the time tells
+    os.utime(tmp_path / "b" / "x.py", ns=(1, 1))
+    again: list[str] = []
+    artifacts._walk(str(tmp_path), ".", again)
+    assert again[0] == lines[0] and again[1] != lines[1] and again[1].endswith(":6:1")
+
+
 def test_a_piece_holding_constants_is_not_recorded_and_a_missing_record_loads_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 

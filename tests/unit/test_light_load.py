@@ -89,6 +89,36 @@ def test_the_stand_in_lives_only_while_loading(monkeypatch):
     assert "torch._inductor.graph" not in sys.modules
 
 
+_FLAGS = textwrap.dedent("""
+    import json, sys
+    import torch._inductor as inductor
+    from piper_compile.codegen import light_load
+    assert "torch._inductor.debug" not in sys.modules
+    light_load._debug_flags()
+    stand_in = inductor.debug
+    out = {"reads": {k: getattr(stand_in, k) for k in light_load.DEBUG_FLAGS}, "imported": "torch._inductor.debug" in sys.modules}
+    from torch._inductor import debug as held  # a holder of the stand-in sees the real module's values later
+    import torch._inductor.debug as real
+    out["defaults"] = {k: getattr(real, k) for k in light_load.DEBUG_FLAGS}
+    out["replaced"] = inductor.debug is real and held is stand_in
+    real.RECORD_GRAPH_EXECUTION = True
+    held.GRAPH_EXECUTION_ORDER = []
+    out["through"] = [held.RECORD_GRAPH_EXECUTION, real.GRAPH_EXECUTION_ORDER, held.DebugContext is real.DebugContext]
+    print(json.dumps(out))
+""")
+
+
+def test_the_debug_flags_stand_in_reads_as_the_real_module_until_it_is_imported():
+    out = subprocess.run([sys.executable, "-c", _FLAGS], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["reads"] == got["defaults"] == {"RECORD_GRAPH_EXECUTION": False, "GRAPH_EXECUTION_ORDER": None,
+                                                "GRAPH_COMPILE_IDS": None}
+    assert not got["imported"] and got["replaced"]
+    assert got["through"] == [True, [], True]
+
+
 _RUN = textwrap.dedent("""
     import functools, json, sys
     import torch
@@ -98,7 +128,8 @@ _RUN = textwrap.dedent("""
     step = piper.compile(model, directives=[piper.split(2)], optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     losses = [step(*model.make_batch(4, torch.Generator().manual_seed(s))).item() for s in range(2)]
     stats = piper.stats(step)
-    heavy = [m for m in ("torch._inductor.graph", "torch._inductor.select_algorithm", "torch._inductor.lowering")
+    heavy = [m for m in ("torch._inductor.graph", "torch._inductor.select_algorithm", "torch._inductor.lowering",
+                         "torch._inductor.debug", "torch._inductor.scheduler")
              if m in sys.modules]
     params = [p.detach().double().sum().item() for p in model.parameters()]
     print(json.dumps({"losses": losses, "params": params, "heavy": heavy, "fast": stats.fast_loads,
