@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from piper_compile.capture.annotate import _annotated_class, _ModuleAnnotation
+from piper_compile.capture.annotate import Made, _annotated_class, _ModuleAnnotation
 from piper_compile.directives.spec import Directive, ShardTensor
 from piper_compile.disk import TESTED_TORCH, torch_version
 from piper_compile.knobs import knob
@@ -30,7 +30,7 @@ from piper_compile.knobs import knob
 _REGION: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
 
 
-class _Region:
+class _Region(Made):
     """Marker of a block class whose ``forward`` is a nested compile region."""
 
 

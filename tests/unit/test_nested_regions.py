@@ -56,6 +56,57 @@ def test_the_blocks_of_a_module_list_are_marked_once_and_keep_their_tags(monkeyp
     assert type(model.blocks[3]) is again and model.blocks[3]._piper_tags == {"PP": 2}
 
 
+_LOAD = """
+import sys, torch
+model = torch.load(sys.argv[1], weights_only=False)
+x, y, loss = torch.load(sys.argv[2])
+names = [[c.__name__ for c in type(b).__mro__[:3]] for b in model.blocks]
+print(names[0], [b._piper_tags for b in model.blocks], torch.equal(model(x, y), loss))
+"""
+
+
+@pytest.mark.slow  # a fresh Python with torch (~4 s); the in-process copies below are in the fast subset
+def test_a_tagged_model_with_marked_blocks_pickles_and_loads_in_a_fresh_process(tmp_path):
+    """piper's subclasses are made at run time (no importable name): torch.save(model) of a tagged, marked
+    model used to raise PicklingError; it loads in another process with the same layers, tags and output."""
+    import subprocess
+    import sys
+
+    model = _gpt()
+    model.annotate_stages(2)
+    blocks.mark_repeated_blocks(model)
+    x, y = model.make_batch(2, torch.Generator().manual_seed(0))
+    torch.save(model, tmp_path / "model.pt")
+    torch.save((x, y, model(x, y).detach()), tmp_path / "batch.pt")
+    out = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "model.pt"), str(tmp_path / "batch.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == ("['PiperRegionBlock', 'RegionBlock', 'Block'] "
+                                         "[{'PP': 0}, {'PP': 0}, {'PP': 1}, {'PP': 1}] True")
+
+
+class _OwnPickle(nn.Linear):
+    def __reduce__(self) -> Any:
+        return (nn.Linear, (2, 2))
+
+
+def test_copies_keep_piper_classes_and_a_class_that_pickles_its_own_way_keeps_its_way():
+    import copy
+    import pickle
+
+    model = _gpt()
+    model.annotate_stages(2)
+    blocks.mark_repeated_blocks(model)
+    for again in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert [type(b) for b in again.blocks] == [type(b) for b in model.blocks]
+        assert [b._piper_tags for b in again.blocks] == [b._piper_tags for b in model.blocks]
+        assert again.blocks[0].qkv.weight is not model.blocks[0].qkv.weight
+    lin = pickle.loads(pickle.dumps(piper.annotate(nn.Linear(2, 2), PP=1)))
+    assert type(lin).__name__ == "PiperLinear" and lin._piper_tags == {"PP": 1}
+    own = pickle.loads(pickle.dumps(piper.annotate(_OwnPickle(2, 2), PP=1)))
+    assert type(own) is nn.Linear  # its own __reduce__ decides, as without the tags
+
+
 def test_unlike_blocks_single_layers_and_blocks_with_tags_inside_are_not_marked():
     mlp = build_model("mlp")
     assert blocks.repeated_lists(mlp) == []  # a Linear per layer: one op, nothing to stamp out
