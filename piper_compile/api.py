@@ -214,8 +214,17 @@ def _first_calls_windowed(traced: Callable[..., Any], model: nn.Module, marked: 
     @functools.wraps(traced)
     def forward(*args: Any, **kwargs: Any) -> Any:
         def run() -> Any:
-            with capture_settings(args, kwargs):
-                return flat_on_failure(model, lambda: traced(*args, **kwargs)) if marked else traced(*args, **kwargs)
+            st = state_of_module(model) if done else None
+            if st is not None:
+                st.unmark_released()  # before Dynamo's guards read the parameters' classes
+            try:
+                with capture_settings(args, kwargs):
+                    return flat_on_failure(model, lambda: traced(*args, **kwargs)) if marked else traced(*args, **kwargs)
+            finally:
+                st = st or state_of_module(model)
+                if st is not None:
+                    st.marks_on = True
+                    st.mark_released()  # reading a parameter piper released is an error until the next call
 
         mode = torch.is_grad_enabled()
         if mode in done:

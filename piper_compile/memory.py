@@ -246,6 +246,7 @@ def memory_report(step: Any) -> MemoryReport:
     optimizer's state tensors per parameter, e.g. 2 for AdamW). Under expert parallelism expert weights
     count as this rank's shards (parameters, gradients and optimizer state of ``E/G`` experts)."""
     from piper_compile.api import trained_step
+    from piper_compile.runtime.registry import plain_tensors
 
     cs = trained_step(step)
-    return MemoryReport(cs.rank, _measured(cs), _predicted(cs))
+    return plain_tensors(lambda: MemoryReport(cs.rank, _measured(cs), _predicted(cs)))()

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from piper_compile.errors import PiperError
+from piper_compile.runtime.registry import plain_tensors
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@plain_tensors
 def profile(model: nn.Module, *example_batch: Any, steps: int = 5, warmup: int = 2) -> Profile:
     """Time ``steps`` eager training steps (forward + backward, no update) of ``model`` on ``example_batch``
     after ``warmup`` ones; pass ``flops_per_s=profile(...).flops_per_s`` to ``piper.autoplan``."""

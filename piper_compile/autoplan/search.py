@@ -23,6 +23,7 @@ from piper_compile.autoplan.space import (
 from piper_compile.autoplan.parallel import default_workers, evaluate_groups
 from piper_compile.autoplan.stages import BlockCosts, block_costs, tagged
 from piper_compile.errors import PiperError, PiperPlanError
+from piper_compile.runtime.registry import plain_tensors
 
 MiB = 2**20
 # link bandwidth (bytes/s) and latency (s) per traffic class
@@ -99,6 +100,7 @@ class AutoPlan:
         return "\n".join([head, *rows])
 
 
+@plain_tensors
 def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: float | None = None,
              network: str | dict[str, tuple[float, float]] = "ethernet", flops_per_s: float = 1e12,
              cost: Any = None, optimizer: Any = None, top: int = 5,

@@ -12,6 +12,7 @@ from piper_compile.checkpoint.hooks import install_hooks
 from piper_compile.checkpoint.layout import Ctx, ctx_of, raw_state_dict
 from piper_compile.checkpoint.state_dict import build, full_buffers, full_values, materialize
 from piper_compile.errors import PiperError
+from piper_compile.runtime.registry import plain_tensors
 
 
 class LoadResult(NamedTuple):
@@ -36,6 +37,7 @@ def _context(step: Any) -> Ctx:
     return ctx
 
 
+@plain_tensors
 def sharded_state_dict(step: Any) -> dict[str, Any]:
     """This rank's part of the model and optimizer state as a ``torch.distributed.checkpoint`` state
     dict (see the package docstring for the layout), without gathering: ZeRO shards as per-parameter
@@ -46,6 +48,7 @@ def sharded_state_dict(step: Any) -> dict[str, Any]:
     return build(_context(step))
 
 
+@plain_tensors
 def save(step: Any, path: str | os.PathLike[str], format: str = "dcp", max_shard_mb: float = 2048) -> None:  # noqa: A002
     """Save the run's model and optimizer state as the checkpoint directory ``path``, atomically: every
     rank calls it. ``format="hf"`` instead writes the model's tensors as a Hugging Face ``save_pretrained``
@@ -64,6 +67,7 @@ def save(step: Any, path: str | os.PathLike[str], format: str = "dcp", max_shard
     dcp_io.save(sharded_state_dict(step), os.fspath(path))
 
 
+@plain_tensors
 def load(step: Any, path: str | os.PathLike[str], strict: bool = True) -> LoadResult:
     """Load the checkpoint directory ``path`` into the live training state, in place; every rank calls it.
     A Hugging Face ``save_pretrained`` directory (safetensors) loads the model's tensors, each rank reading
@@ -139,6 +143,7 @@ def _load_now(ctx: Ctx, directory: str, metadata: Any, strict: bool, model_only:
     dcp_io.load(sd, directory, strict)
 
 
+@plain_tensors
 def materialize_optimizer_state(step: Any) -> None:
     """Create the optimizer state (exp_avg, ...) of what this rank trains before any update, so that a
     state dict holds tensors to load into. Parameters are left bitwise unchanged and step counts at 0:
@@ -168,6 +173,7 @@ def materialize_optimizer_state(step: Any) -> None:
     st.pending.append(run)
 
 
+@plain_tensors
 def full_state_dict(step: Any) -> dict[str, torch.Tensor]:
     """Every parameter (and persistent buffer) of the model as a full tensor on every rank, under the
     keys of ``model.state_dict()`` (tied weights under each name). A collective over the world: ZeRO
@@ -189,6 +195,7 @@ def full_state_dict(step: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+@plain_tensors
 def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = True) -> Any:
     """Load full tensors (e.g. an eager model's ``state_dict()``) into the run: ``model.load_state_dict``
     with piper's hooks, which also update ZeRO shards (ZeRO-3 parameters get their storage back for the

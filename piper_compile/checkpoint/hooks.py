@@ -123,9 +123,14 @@ def install_hooks(st: Any, module: nn.Module) -> None:
                               and not st.released_buffers):
         return
     st.hooks_installed = True
+    # Released tensors are marked between steps (runtime/released.py): plain while the hooks read them.
+    module.register_state_dict_pre_hook(lambda *_: st.unmark_released())
     module.register_state_dict_post_hook(functools.partial(_state_dict_hook, st))
+    module.register_state_dict_post_hook(lambda *_: st.mark_released())
+    module.register_load_state_dict_pre_hook(lambda *_: st.unmark_released())
     module.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, st))
     module.register_load_state_dict_post_hook(functools.partial(_load_post_hook, st))
+    module.register_load_state_dict_post_hook(lambda *_: st.mark_released())
 
 
 def _caller_module(st: Any) -> nn.Module | None:

@@ -11,6 +11,7 @@ in common" (two models sharing a trunk are two models).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any, Callable, Iterable
@@ -38,6 +39,12 @@ class ModelLink:
     def module(self) -> nn.Module | None:
         return self._module()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Not saved with the model (``torch.save(model)``, ``copy.deepcopy(model)``: the attribute
+        ``_piper_link`` sits on the module): a copy is not compiled, and the link holds only a weak
+        reference to its module."""
+        return (_no_link, ())
+
     def record(self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook on the compiled module (outside Dynamo's trace): keep the first call's arguments;
         a model built on the meta device gets storage-less stand-ins on the batch's device first."""
@@ -55,6 +62,10 @@ class ModelLink:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+def _no_link() -> None:
+    return None
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
@@ -142,6 +153,22 @@ def state_of_module(module: nn.Module, factory: Callable[..., torch.optim.Optimi
     _LIVE.add(st)
     _BY_MODULE[module] = st
     return st
+
+
+def plain_tensors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a public entry point that reads parameters: checkpoints, reports, planning) run with every
+    released tensor's plain class back, marked again afterwards (``runtime/released.py``)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = [st for st in live_states() if st.unmark_released()]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for st in was:
+                st.mark_released()
+
+    return run
 
 
 def check_shared_parameters(st: TrainState) -> None:

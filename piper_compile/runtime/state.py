@@ -23,6 +23,7 @@ from piper_compile.runtime.optimizer_memory import Allocations
 
 MEASURED_UPDATE = 1  # the update whose temporaries memory_report shows: the second (the first makes the state)
 from piper_compile.runtime.shards import LocalShard
+from piper_compile.runtime import released as released_marks
 from piper_compile.runtime.zero import Layout, ZeroState, free_storage
 
 
@@ -52,6 +53,8 @@ class TrainState:
         self.shards: dict[str, LocalShard] = {}  # expert / tensor-parallel pieces this rank holds, by fqn
         self.shards_filled = False
         self.hooks_installed = False
+        self.marks_on = False  # piper.compile's calls mark released tensors between steps (runtime/released.py)
+        self.marked: list[torch.Tensor] = []  # the tensors marked now
         self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
         self.first_call_done = False
         self.on_sharded_done = False
@@ -163,6 +166,22 @@ class TrainState:
     def local_params(self) -> dict[str, nn.Parameter]:
         """Every local shard (expert and tensor parallel) by FQN."""
         return {f: s.param for f, s in self.shards.items()}
+
+    def mark_released(self) -> None:
+        """Between steps (once ``marks_on``): mark the parameters and buffers without storage, so that
+        reading one is a clear error (``runtime/released.py``)."""
+        zero3 = self.zero is not None and any(b.level >= 3 for b in self.zero.buckets.values())
+        if self.marks_on and (self.released or self.released_buffers or zero3):  # else none is storage-less
+            self.marked += released_marks.mark({**self.named, **self.buffers_to_release})
+
+    def unmark_released(self) -> bool:
+        """Before piper touches them again (a call, the state dict hooks, the public API): their plain
+        classes back; whether any was marked."""
+        if not self.marked:
+            return False
+        released_marks.unmark(self.marked)
+        self.marked = []
+        return True
 
     def release_unused(self, fqns: Iterable[str], buffers: dict[str, torch.Tensor] | None = None) -> None:
         """Pipeline stages (with or without ZeRO, data / tensor / expert parallel inside them): parameters

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from piper_compile.runtime.released import unmarked
 from piper_compile.errors import PiperError
 from piper_compile.ir.ops import ParamGather
 from piper_compile.plan.program import Program
@@ -242,7 +243,7 @@ def tensor_bytes(t: Any) -> int:
 
 def free_storage(p: torch.Tensor) -> None:
     """Release a parameter's memory while keeping its shape (ZeRO-3): the storage is resized to 0."""
-    st = p.untyped_storage()
+    st = unmarked(p).untyped_storage()
     if st.nbytes() == 0:
         return  # has none (a stand-in of a model built on the meta device)
     if p.storage_offset() != 0 or st.nbytes() != p.numel() * p.element_size():
@@ -254,7 +255,7 @@ def free_storage(p: torch.Tensor) -> None:
 def ensure_storage(p: torch.Tensor) -> bool:
     """Give a released parameter (ZeRO-3, or another stage's) storage again, contents undefined; True if
     it had none."""
-    st = p.untyped_storage()
+    st = unmarked(p).untyped_storage()
     if st.nbytes():
         return False
     st.resize_(p.numel() * p.element_size())

@@ -220,6 +220,7 @@ def test_float_attributes_inside_regions_become_constants(monkeypatch):
     assert plain.joint.region_calls == 8
 
 
+@pytest.mark.slow  # ~9 s: in the full suite; keeps the fast subset under 5 min
 def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkeypatch):
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
     runs = {}
@@ -280,6 +281,7 @@ def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp
         assert torch.equal(second[1][k], v), k
 
 
+@pytest.mark.slow  # ~9 s: in the full suite; keeps the fast subset under 5 min
 def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch):
     """HF GPT-2's blocks fail Dynamo's region stamp-out where their float attributes are inputs (an internal
     error on a float read inside the blocks; here because forward takes a float): piper warns, unmarks them

@@ -1,0 +1,80 @@
+"""Between steps, a weight piper released on this rank (another pipeline stage's, a ZeRO-3 parameter's
+full tensor) has no storage. Reading it -- an EMA over ``model.parameters()``, a weight norm, calling the
+original module instead of the compiled one, ``torch.save(model)`` -- read freed memory (a segfault on
+CPU); now it is a ``piper:`` error naming the weight on every rank that released it, while metadata,
+``model.state_dict()``, ``load_state_dict`` and further training stay exact (``runtime/released.py``)."""
+from __future__ import annotations
+
+import copy
+import functools
+import io
+from typing import Any
+
+import pytest
+import torch
+
+import piper_compile as piper
+from piper_compile.testing.launch import run_local
+from piper_compile.testing.models import GPT, GPTConfig
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _directives(kind: str, model: GPT) -> list[Any]:
+    if kind == "pp2":
+        model.annotate_stages(2)
+        return [*piper.pipeline(2), piper.split(2), *piper.schedules.one_f_one_b(2, 2)]
+    return [piper.replicate(zero=3), piper.split(1)]
+
+
+def _reads(model: GPT) -> list[Any]:
+    p = next(p for p in model.parameters() if type(p) is not torch.nn.Parameter)
+    ema = torch.zeros(p.shape)
+    batch = model.make_batch(2, torch.Generator().manual_seed(1))
+    return [lambda: ema.lerp_(p, 0.1), lambda: p.norm(), lambda: model(*batch),
+            lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model)]
+
+
+def _worker(rank: int, world: int, kind: str, probe: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(dim=32, layers=2, heads=2, seq=16, vocab=64))
+    x, y = model.make_batch(8, torch.Generator().manual_seed(0))
+    step = piper.compile(model, directives=_directives(kind, model), optimizer=SGD, codegen="eager")
+    losses = [float(step(x, y))]
+    out: dict[str, Any] = {"errors": []}
+    if probe:
+        out["count"] = sum(p.numel() for p in model.parameters())
+        for read in _reads(model):
+            try:
+                read()
+                out["errors"].append(None)
+            except piper.PiperError as e:
+                out["errors"].append(str(e).split(" has no storage")[0])
+        sd = model.state_dict()  # every rank together
+        out["sd_equal"] = all(torch.equal(sd[k], v) for k, v in piper.trained_parameters(step).items())
+        model.load_state_dict(sd)
+        out["still_refused"] = _refused(_reads(model)[1])
+    losses += [float(step(x, y)) for _ in range(2)]
+    out["losses"] = losses
+    return out
+
+
+def _refused(read: Any) -> bool:
+    try:
+        read()
+    except piper.PiperError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["pp2", "zero3"])
+def test_reading_a_released_weight_is_a_clear_error_and_training_stays_exact(kind):
+    probed = run_local(_worker, 2, kind, True)
+    plain = run_local(_worker, 2, kind, False)
+    n = sum(p.numel() for p in GPT(GPTConfig(dim=32, layers=2, heads=2, seq=16, vocab=64)).parameters())
+    for rank, (r, q) in enumerate(zip(probed, plain)):
+        assert r["count"] == n, rank  # metadata reads work
+        assert len(r["errors"]) == 5 and all(e is not None and e.startswith("piper: '") for e in r["errors"]), r
+        assert r["sd_equal"] and r["still_refused"], rank
+        assert r["losses"] == q["losses"], (rank, r["losses"], q["losses"])  # the reads changed nothing
