@@ -3,7 +3,6 @@
 tensors and ``model.load_state_dict(full)`` updates the shards."""
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any, Iterator
 
@@ -124,13 +123,44 @@ def install_hooks(st: Any, module: nn.Module) -> None:
         return
     st.hooks_installed = True
     # Released tensors are marked between steps (runtime/released.py): plain while the hooks read them.
-    module.register_state_dict_pre_hook(lambda *_: st.unmark_released())
-    module.register_state_dict_post_hook(functools.partial(_state_dict_hook, st))
-    module.register_state_dict_post_hook(lambda *_: st.mark_released())
-    module.register_load_state_dict_pre_hook(lambda *_: st.unmark_released())
-    module.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, st))
-    module.register_load_state_dict_post_hook(functools.partial(_load_post_hook, st))
-    module.register_load_state_dict_post_hook(lambda *_: st.mark_released())
+    module.register_state_dict_pre_hook(_Hook(_unmark, st))
+    module.register_state_dict_post_hook(_Hook(_state_dict_hook, st))
+    module.register_state_dict_post_hook(_Hook(_mark, st))
+    module.register_load_state_dict_pre_hook(_Hook(_unmark, st))
+    module.register_load_state_dict_pre_hook(_Hook(_load_pre_hook, st))
+    module.register_load_state_dict_post_hook(_Hook(_load_post_hook, st))
+    module.register_load_state_dict_post_hook(_Hook(_mark, st))
+
+
+def _unmark(st: Any, *_: Any) -> None:
+    st.unmark_released()
+
+
+def _mark(st: Any, *_: Any) -> None:
+    st.mark_released()
+
+
+class _Hook:
+    """A module hook bound to a run's training state. A pickled or copied module (``torch.save(model)``,
+    ``copy.deepcopy(model)`` for an EMA) gets a hook that does nothing: the copy is not compiled, its
+    tensors are its own, and the state (optimizer, process groups, compiled code) is not copied with it."""
+
+    def __init__(self, fn: Any, st: Any) -> None:
+        self.fn, self.st = fn, st
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(self.st, *args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert, ())
+
+
+def _inert() -> Any:
+    return _nothing
+
+
+def _nothing(*_: Any) -> None:
+    return None
 
 
 def _caller_module(st: Any) -> nn.Module | None:

@@ -78,3 +78,29 @@ def test_reading_a_released_weight_is_a_clear_error_and_training_stays_exact(kin
         assert len(r["errors"]) == 5 and all(e is not None and e.startswith("piper: '") for e in r["errors"]), r
         assert r["sd_equal"] and r["still_refused"], rank
         assert r["losses"] == q["losses"], (rank, r["losses"], q["losses"])  # the reads changed nothing
+
+
+def _copy_worker(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(dim=32, layers=2, heads=2, seq=16, vocab=64))
+    x, y = model.make_batch(8, torch.Generator().manual_seed(0))
+    step = piper.compile(model, directives=[piper.replicate(zero=1), piper.split(1)], optimizer=SGD, codegen="eager")
+    step(x, y)
+    trained = piper.trained_parameters(step)
+    ema = copy.deepcopy(model)  # its state-dict hooks are inert: a rank alone may read it
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    same = all(torch.equal(m.state_dict()[k], v) for m in (ema, loaded) for k, v in trained.items())
+    return {"same": same, "link": loaded._piper_link, "losses": [float(step(x, y)) for _ in range(2)]}
+
+
+@pytest.mark.slow
+def test_a_zero1_model_copies_and_saves_with_its_trained_weights():
+    """ZeRO-1 keeps full weights (views of the gathered buffers): copy.deepcopy(model) (an EMA) and
+    torch.save(model) hold the trained weights; they failed on the hooks' training state (process groups,
+    compiled code) and on the model's link to its compiled step, which are not copied now."""
+    res = run_local(_copy_worker, 2)
+    assert all(r["same"] and r["link"] is None for r in res), res
+    assert res[0]["losses"] == res[1]["losses"]
