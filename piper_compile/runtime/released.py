@@ -50,34 +50,30 @@ def _refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> 
         "model through the compiled step, not the original module")
 
 
-class ReleasedParameter(nn.Parameter):
+class _Refusing:
+    """What both marked classes do: metadata through, values refused (``__torch_function__``)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        return _refuse(func, args, kwargs)
+
+    def __repr__(self) -> str:
+        t: Any = self
+        return (f"{type(self).__name__}({_NAMES.get(id(self), '?')!r}, shape={tuple(t.shape)}, dtype={t.dtype}: "
+                "no storage on this rank between steps)")
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+
+class ReleasedParameter(_Refusing, nn.Parameter):
     """A parameter piper released (no storage on this rank until the next step); see the module text."""
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        return _refuse(func, args, kwargs)
 
-    def __repr__(self) -> str:  # type: ignore[override]
-        return (f"ReleasedParameter({_NAMES.get(id(self), '?')!r}, shape={tuple(self.shape)}, dtype={self.dtype}: "
-                "no storage on this rank between steps)")
-
-    def __format__(self, spec: str) -> str:
-        return repr(self)
-
-
-class ReleasedBuffer(torch.Tensor):
+class ReleasedBuffer(_Refusing, torch.Tensor):
     """A buffer piper released (no storage on this rank until the next step)."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        return _refuse(func, args, kwargs)
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return (f"ReleasedBuffer({_NAMES.get(id(self), '?')!r}, shape={tuple(self.shape)}, dtype={self.dtype}: "
-                "no storage on this rank between steps)")
-
-    def __format__(self, spec: str) -> str:
-        return repr(self)
 
 
 _MARKED_AS = {nn.Parameter: ReleasedParameter, torch.Tensor: ReleasedBuffer}
