@@ -133,11 +133,15 @@ def install_hooks(st: Any, module: nn.Module) -> None:
 
 
 def _unmark(st: Any, *_: Any) -> None:
-    st.unmark_released()
+    st.hook_unmarked = st.unmark_released()
 
 
 def _mark(st: Any, *_: Any) -> None:
-    st.mark_released()
+    """Mark again what this hook's pre-hook unmarked (inside a public function that unmarked them itself,
+    ``registry.plain_tensors``, that function marks them when it returns)."""
+    if st.hook_unmarked:
+        st.hook_unmarked = False
+        st.mark_released()
 
 
 class _Hook:

@@ -55,6 +55,7 @@ class TrainState:
         self.hooks_installed = False
         self.marks_on = False  # piper.compile's calls mark released tensors between steps (runtime/released.py)
         self.marked: list[torch.Tensor] = []  # the tensors marked now
+        self.hook_unmarked = False  # a state-dict pre-hook unmarked them (checkpoint/hooks.py)
         self.pending: list[Callable[[Any], None]] = []  # run by ready() (e.g. a checkpoint load before the first call)
         self.first_call_done = False
         self.on_sharded_done = False
