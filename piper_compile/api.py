@@ -208,7 +208,9 @@ def _first_calls_windowed(traced: Callable[..., Any], model: nn.Module, marked: 
     capture, planning, loading code) runs in a garbage-collector window (``gcwindow.young_only``); with
     ``marked`` blocks, a Dynamo failure on them traces the blocks one by one (``capture/blocks.py``).
     Every call runs under piper's Dynamo settings (``capture/dynamo.capture_settings``): a recompile
-    traces as the first trace did."""
+    traces as the first trace did. Every call ends by marking the weights this rank released (reading
+    one is a ``piper:`` error until the next call, ``runtime/released.py``), and the next call starts by
+    taking the marks off, before Dynamo's guards read the parameters' classes."""
     done: set[bool] = set()
 
     @functools.wraps(traced)
