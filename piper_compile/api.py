@@ -203,7 +203,7 @@ def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> bool:
     return wanted(directives) and bool(mark_repeated_blocks(model))
 
 
-def _first_calls_windowed(traced: Callable[..., Any], model: nn.Module, marked: bool) -> Callable[..., Any]:
+def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool) -> Callable[..., Any]:
     """``traced`` (the compiled forward), whose first call with and without gradients (Dynamo's trace,
     capture, planning, loading code) runs in a garbage-collector window (``gcwindow.young_only``); with
     ``marked`` blocks, a Dynamo failure on them traces the blocks one by one (``capture/blocks.py``).
@@ -247,7 +247,7 @@ def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Mod
     opts = {**options, "directives": list(directives)}
     marked = _mark_blocks(model, opts)
     compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
-    compiled.forward = _first_calls_windowed(compiled.forward, model, marked)
+    compiled.forward = _compiled_forward(compiled.forward, model, marked)
     linked = link(model, opts)
     linked.handle = compiled.register_forward_pre_hook(linked.record, with_kwargs=True)
     compiled._piper_link = linked  # keeps the link (and so the registry entry) alive with the compiled module

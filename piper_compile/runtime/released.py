@@ -9,7 +9,7 @@ the original model instead of the compiled one (``generate()``), ``torch.save(mo
 their class becomes :class:`ReleasedParameter` (or :class:`ReleasedBuffer`), whose ``__torch_function__``
 lets metadata through (shape, dtype, device, ``numel``, ``grad``, ``requires_grad``, its empty storage)
 and raises a ``piper:`` error naming the tensor for anything that reads or writes its values. The next
-call puts the classes back before Dynamo's guards look at them (``api._first_calls_windowed``), and so do
+call puts the classes back before Dynamo's guards look at them (``api._compiled_forward``), and so do
 the state dict hooks (``checkpoint/hooks.py``, which fetch the full values from the ranks that hold
 them), the public functions that read parameters (``registry.plain_tensors``) and
 ``zero.ensure_storage`` / ``free_storage``. A class change is one pointer write (~0.06 us); marking looks

@@ -65,3 +65,27 @@ def test_buffers_and_subclasses_and_the_storage_helpers():
     released.mark({"running_mean": buf})
     free_storage(buf)  # a marked tensor released again
     assert type(buf) is torch.Tensor and buf.untyped_storage().nbytes() == 0
+
+
+def test_state_dict_hooks_mark_again_only_what_they_unmarked():
+    """Around model.state_dict() the hooks take the marks off and put them back; inside a public function
+    that took them off itself (registry.plain_tensors), the post-hook leaves them off for it to restore."""
+    from piper_compile.checkpoint import hooks
+    from piper_compile.runtime.state import TrainState
+
+    w = nn.Parameter(torch.ones(3))
+    st = TrainState([w], None)
+    st.named, st.released, st.marks_on = {"w": w}, {"w"}, True
+    free_storage(w)
+    st.mark_released()
+    assert released.is_marked(w)
+    hooks._unmark(st)
+    assert not released.is_marked(w)
+    hooks._mark(st)
+    assert released.is_marked(w)  # the pair restores the mark
+    assert st.unmark_released()  # a public function takes the marks off first ...
+    hooks._unmark(st)
+    hooks._mark(st)
+    assert not released.is_marked(w)  # ... and the hooks inside it leave them off
+    st.mark_released()
+    assert released.is_marked(w)
