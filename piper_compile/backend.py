@@ -46,7 +46,8 @@ from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.residency import Reads
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.runtime.consistency import (
-    CallCheck, CallLayout, CallRecord, call_layout, fingerprint, local_calls, post_failure,
+    CallCheck, CallLayout, CallRecord, batch_fingerprint, call_layout, fingerprint, local_calls, post_failure,
+    shares_batches,
 )
 from piper_compile.runtime import graph as step_graph
 from piper_compile.runtime.executor import Executor
@@ -255,7 +256,7 @@ class CompiledStep:
 
     def _new_state(self) -> None:
         assert self.joint is not None
-        self.state = state_for(list(self.joint.params.values()), self.options.optimizer)
+        self.state = state_for(self.joint.params, self.options.optimizer, self.link and self.link.module())
         if self.link is not None and self.link.deferred is not None:
             self.state.deferred = self.link.deferred
         self.state.adopt_precision(self.options.precision)
@@ -414,7 +415,7 @@ class CompiledStep:
         other.plans = {}
         other._bindings = {}
         other._local = None
-        other.state = state_for(list(params.values()), self.options.optimizer)
+        other.state = state_for(params, self.options.optimizer, self.link and self.link.module())
         other.state.adopt_precision(self.options.precision)
         other.state.steps.append(other)
         return other
@@ -450,7 +451,7 @@ class CompiledStep:
         assert self.state is not None and self.joint is not None
         bp = self.blueprint(forward_only=not train)
         record = CallRecord(self.state.index, bp.fingerprint, self.state.calls, self._local_batch(args),
-                            len(args), not train)
+                            len(args), not train, self._batch_print(args, bp.layout))
         self.state.calls += 1
         check = CallCheck(record, bp.layout, self.rank, self.world, self.options.timeout_s)
         if (not train) not in self.plans or not self.state.broadcast_done or self.state.pending:
@@ -531,6 +532,14 @@ class CompiledStep:
             raise PiperError(f"piper: the batched inputs have different leading sizes {sizes}; every batched input "
                              "must hold the same samples along dim 0")
         return next(iter(sizes.values()), self.blueprint(not torch.is_grad_enabled()).layout.microbatches)
+
+    def _batch_print(self, args: tuple[Any, ...], layout: Any) -> int:
+        """The inputs' content fingerprint, where ranks of one replica must pass the same batch; else 0."""
+        if not shares_batches(layout):
+            return 0
+        assert self.joint is not None
+        return batch_fingerprint([args[s.arg_index] for s in self.joint.inputs
+                                  if s.kind == INPUT and s.arg_index is not None])
 
     def _check_inputs(self, args: tuple[Any, ...]) -> None:
         if self.joint is None:

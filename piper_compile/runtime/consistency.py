@@ -4,7 +4,7 @@ A compiled step call is collective over the world: every rank must call the same
 forward-only) of the same model, the same number of times, in the same order. If one rank skips a call
 or makes another one (rank 0 alone evaluating under ``torch.no_grad()``), the collectives of the two
 programs pair up with each other and every later number is wrong. So each call posts one row per rank
--- (model, program fingerprint, call index, local batch, argument count, forward-only) -- and one
+-- (model, program fingerprint, call index, local batch, argument count, forward-only, batch contents) -- and one
 all-reduce of the whole table (every rank writes only its own row, so the sum is an all-gather) on a
 gloo group of its own (host tensors, also under NCCL). The table comes back before the call's first
 communication, first wait and first loss seed, so a mismatch raises on every rank, naming what each
@@ -13,6 +13,12 @@ rank called, before any traffic of the two programs is paired.
 The same table carries the local batch sizes, which makes uneven batches exact: each replica's losses
 and gradients are weighted by its share of the global batch (``Weights``), so the step's loss and
 gradients are those of the mean over the concatenated global batch, as in single-process training.
+
+The ranks of one replica (pipeline stages, a tensor-parallel group) must pass the same batch: stage 0 reads
+the tokens and the last stage the labels, so different batches of equal size (a ``DistributedSampler`` over
+the whole world) would pair one rank's inputs with another's labels -- a plausible, wrong loss. Where a
+replica spans several ranks, each row carries a fingerprint of the batch's contents (``batch_fingerprint``)
+and ranks of one replica that disagree raise on every rank.
 
 ``piper.local()`` marks calls that run on this rank alone (forward-only programs whose only traffic is
 the loss all-reduce: pure data parallelism without ZeRO-3): no check, no communication, the loss of the
@@ -70,13 +76,14 @@ class CallRecord:
     batch: int  # this rank's local batch (leading size of its batched inputs)
     nargs: int  # tensors and ints the compiled step was called with
     forward_only: bool
+    data: int = 0  # fingerprint of the inputs' contents (0: not compared; see ``batch_fingerprint``)
 
     def row(self) -> list[int]:
-        return [self.model, self.program, self.call, self.batch, self.nargs, int(self.forward_only)]
+        return [self.model, self.program, self.call, self.batch, self.nargs, int(self.forward_only), self.data]
 
     @classmethod
     def from_row(cls, row: list[int]) -> "CallRecord":
-        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]))
+        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), row[6])
 
     def same_call(self, other: "CallRecord") -> bool:
         """The same program of the same model at the same call (the argument count may differ: Dynamo can
@@ -88,6 +95,43 @@ class CallRecord:
         kind = "a forward-only (torch.no_grad) step" if self.forward_only else "a training step"
         return (f"{kind} of model #{self.model}, its call #{self.call} (plan {self.program:016x}, local batch "
                 f"{self.batch}, {self.nargs} arguments)")
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SAMPLES = 1024  # elements of each input weighted by position (catches rows in another order)
+
+
+def _sums(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of a tensor's bits: of every element, and of up to ``_SAMPLES`` elements spread over
+    it, each weighted by its position. Equal contents give equal sums on any device."""
+    flat = t.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    elif flat.is_floating_point():
+        flat = flat.view(_INT_OF_SIZE[flat.element_size()])
+    flat = flat.to(torch.int64)
+    stride = max(1, flat.numel() // _SAMPLES)
+    sample = flat[::stride][:_SAMPLES]
+    weights = torch.arange(1, sample.numel() + 1, dtype=torch.int64, device=flat.device)
+    return torch.stack([flat.sum(), (sample * weights).sum()])
+
+
+def batch_fingerprint(tensors: list[torch.Tensor]) -> int:
+    """A nonzero 63-bit fingerprint of the inputs' shapes, dtypes and contents (one host sync). Two
+    ranks given different samples of equal shape differ here."""
+    parts = [repr([(tuple(t.shape), str(t.dtype)) for t in tensors])]
+    live = [_sums(t) for t in tensors if t.numel()]
+    if live:
+        parts.append(repr(torch.stack([x.cpu() for x in live]).tolist()))
+    return fingerprint("|".join(parts)) or 1
+
+
+def shares_batches(layout: "CallLayout") -> bool:
+    """Whether some replica spans several ranks (whose batches must then be equal)."""
+    return len(set(layout.replica)) < len(layout.replica)
 
 
 @dataclass(frozen=True)
@@ -139,7 +183,7 @@ class CallCheck:
         self.timeout_s = timeout_s
         self._weights: Weights | None = None
         self.batches: list[int] = []  # every rank's local batch (after resolve)
-        self.table = torch.zeros(world, 6, dtype=torch.int64)
+        self.table = torch.zeros(world, len(record.row()), dtype=torch.int64)
         self.table[rank] = torch.tensor(record.row(), dtype=torch.int64)
         self.started = time.perf_counter()
         self.work = None
@@ -272,6 +316,24 @@ def validate(rows: list[CallRecord], layout: CallLayout) -> None:
                 f"piper: ranks {sorted(ranks)} hold one replica of the model (pipeline stages or a tensor-parallel "
                 f"group) and must get the same local batch, but got {[rows[k].batch for k in sorted(ranks)]} "
                 "(every rank raises this). Pass every rank of a replica the same batch.")
+    _same_contents(rows, sorted(by_replica.values(), key=min))
+
+
+def _same_contents(rows: list[CallRecord], replicas_: list[set[int]]) -> None:
+    """Ranks of one replica passed the same samples (where their rows carry a fingerprint)."""
+    for ranks in replicas_:
+        prints = {rows[k].data for k in ranks}
+        if len(ranks) < 2 or 0 in prints or len(prints) == 1:
+            continue
+        groups = ", ".join(f"ranks {sorted(g)}" if len(g) > 1 else f"rank {min(g)}" for g in replicas_)
+        raise PiperRuntimeError(
+            f"piper: ranks {sorted(ranks)} hold one replica of the model (pipeline stages or a tensor-parallel "
+            "group) and must get the same batch, but were given different contents of the same size (every rank "
+            "raises this): the first stage would read one rank's inputs and the last stage another's labels. "
+            f"This plan has {len(replicas_)} data-parallel replica(s): {groups}. Shard the data over the "
+            "replicas only (e.g. DistributedSampler(num_replicas=<replicas>, rank=<this rank's replica index>), "
+            "not over the world) and give every rank of a replica the same batch, with the same seed for any "
+            "random augmentation.")
 
 
 def replicas(world: int, pairs: list[tuple[int, int]]) -> tuple[int, ...]:

@@ -110,10 +110,15 @@ def live_states() -> list[TrainState]:
     return sorted(_LIVE, key=lambda s: s.index)
 
 
-def state_for(params: list[nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None) -> TrainState:
-    """The state of the model whose calls pass exactly ``params``: an existing one (the grad and no-grad
-    programs of one model share it; a state made by the API for the module before its first call,
-    holding all of the module's parameters, is adopted), or a new one."""
+def state_for(named: dict[str, nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None,
+              module: nn.Module | None = None) -> TrainState:
+    """The state of the model whose calls pass exactly the parameters ``named``: an existing one (the grad
+    and no-grad programs of one model share it; a state made by the API for the module before its first
+    call, holding all of the module's parameters, is adopted), or a new one. Refused where ``module``
+    (linked by ``piper.compile``) had parameters replaced since it trained, or where the existing
+    state's parameters changed dtype or device."""
+    check_not_replaced(module, named)
+    params = list(named.values())
     states = live_states()
     st = next((s for s in states if _same_set(s.params, params)), None)
     if st is None:
@@ -125,6 +130,7 @@ def state_for(params: list[nn.Parameter], factory: Callable[..., torch.optim.Opt
         _LIVE.add(st)
     elif st.factory is None:
         st.factory = factory
+    check_unchanged_kinds(st, named)
     return st
 
 
@@ -188,3 +194,50 @@ def check_shared_parameters(st: TrainState) -> None:
                 "updates would land on storage the other re-laid out. Fix: compile one module that contains "
                 "both (e.g. a wrapper whose forward returns the sum of both losses), or give each model its own "
                 "copy of the shared weights, or train them with plain data parallelism (zero=0)")
+
+
+def check_unchanged_kinds(st: TrainState, named: dict[str, nn.Parameter]) -> None:
+    """A model trained by piper whose parameters then changed dtype or device (``model.to(torch.bfloat16)``,
+    ``model.cuda()`` between steps) cannot keep its optimizer state, shards and gradient buffers: refused
+    with what to do instead, rather than failing deep in a kernel or training on stale state."""
+    if not st.kinds:
+        return
+    moved = [(f, st.kinds[id(p)], (p.dtype, p.device.type)) for f, p in named.items()
+             if id(p) in st.kinds and st.kinds[id(p)] != (p.dtype, p.device.type)]
+    if moved:
+        what = ", ".join(f"{f}: {a[0]} on {a[1]} -> {b[0]} on {b[1]}" for f, a, b in moved[:3])
+        raise PiperError(
+            f"piper: {len(moved)} parameter(s) of this model changed dtype or device after piper started training "
+            f"it ({what}{', ...' if len(moved) > 3 else ''}); its optimizer state, gradient buffers and shards "
+            "were made for the old ones. Convert the model before its first compiled step, or, to compute in "
+            "bf16/fp16 while keeping fp32 weights, keep the model in fp32 and pass "
+            "mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16) (options['mixed_precision']).")
+
+
+def _trained_by(module: nn.Module) -> TrainState | None:
+    """The state a step linked to ``module`` has trained (``piper.compile``), if any."""
+    for st in live_states():
+        links = (getattr(step, "link", None) for step in st.steps)
+        if st.first_call_done and any(link is not None and link.module() is module for link in links):
+            return st
+    return None
+
+
+def check_not_replaced(module: nn.Module | None, named: dict[str, nn.Parameter]) -> None:
+    """``module`` (the one ``piper.compile`` linked) now passes ``named``, not the parameters its trained
+    state holds: some attribute was given a new ``nn.Parameter`` between steps. Its optimizer state would
+    silently restart (data parallel) or be refused as another model's (ZeRO, pipeline stages): refused
+    here, naming the parameters and the in-place way to change them."""
+    trained = _trained_by(module) if module is not None else None
+    if trained is None or _same_set(trained.params, named.values()):
+        return
+    if not _same_set(module.parameters(), named.values()):
+        return  # another model's parameters (two models of one class sharing the compiled code)
+    old = {id(p) for p in trained.params}
+    new = sorted(f for f, p in named.items() if id(p) not in old)
+    raise PiperError(
+        f"piper: {len(new)} parameter(s) of this model were replaced by new tensors after piper started training "
+        f"it ({', '.join(new[:4])}{', ...' if len(new) > 4 else ''}), so its training state (optimizer state, "
+        "shards, gradient buffers) no longer matches the model. Change a weight's values in place instead "
+        "(with torch.no_grad(): module.weight.copy_(new)) or with model.load_state_dict(...) / piper.load(...), "
+        "or assign new parameters before the first compiled step.")

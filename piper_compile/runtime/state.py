@@ -69,6 +69,7 @@ class TrainState:
         self.scaler: LossScaler | None = None  # fp16: dynamic loss scaling (runtime/loss_scale.py)
         self.deferred: Any = None  # a model built on the meta device: its init (init/deferred.Deferred)
         self.load_bytes = 0  # bytes the last Hugging Face checkpoint load read on this rank (checkpoint/hf.py)
+        self.kinds: dict[int, tuple[torch.dtype, str]] = {}  # parameters' dtype and device since the first call
 
     @property
     def device(self) -> torch.device:
@@ -226,6 +227,8 @@ class TrainState:
     def ready(self, step: Any) -> None:
         """Every call, right after shard() and before the step computes: the ON_SHARDED hooks once, then
         what was registered to wait for this point (``step`` is the calling CompiledStep)."""
+        if not self.first_call_done:
+            self.kinds = {id(p): (p.dtype, p.device.type) for p in self.params}
         self.first_call_done = True
         if not self.on_sharded_done and ((self.zero is not None and self.zero.sharded) or self.released
                                          or self.released_buffers):

@@ -136,10 +136,10 @@ def _bad_batches(rank: int, world: int, case: str) -> str:
         step, n = _step(model, [piper.replicate(), piper.split(2)]), (8 if rank == 0 else 5)
     elif case == "empty":
         step, n = _step(model, [piper.replicate()]), (8 if rank == 0 else 0)
-    else:  # the two stages of one pipeline get different batches
+    else:  # the two stages of one pipeline get different batches: sizes (8, 12) or samples (seed 0, 1)
         model.annotate_stages(2)
-        step, n = _step(model, [*piper.pipeline(2), piper.split(2)]), 8 + 4 * rank
-    x, y = _batch(model, 16, 0)
+        step, n = _step(model, [*piper.pipeline(2), piper.split(2)]), 8 + 4 * rank * (case == "stages_disagree")
+    x, y = _batch(model, 16, rank if case == "stages_sample_apart" else 0)
     try:
         step(x[:n], y[:n])
     except piper.PiperError as e:
@@ -147,14 +147,20 @@ def _bad_batches(rank: int, world: int, case: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("case", ["indivisible", "empty", "stages_disagree"])
+@pytest.mark.parametrize("case", ["indivisible", "empty", "stages_disagree", "stages_sample_apart"])
 def test_bad_local_batches_raise_on_every_rank(case: str) -> None:
     """Rank 1's batch cannot be run (5 rows for 2 micro-batches, no rows: its own capture refuses it; the
-    two stages of one pipeline given different batches: the call check refuses it): every rank raises
-    at once, naming the cause or the rank that has it."""
+    two stages of one pipeline given batches of different sizes, or different samples of one size -- a
+    DistributedSampler over the world -- the call check refuses it): every rank raises at once, naming
+    the cause or the rank that has it. Before the content check, the sampled-apart pipeline trained
+    stage 0's tokens against stage 1's labels and returned a plausible loss."""
     res = run_local(_bad_batches, 2, case, timeout_s=300)
     if case == "stages_disagree":
         assert all("ranks [0, 1] hold one replica" in r and "[8, 12]" in r for r in res), res
+        return
+    if case == "stages_sample_apart":
+        assert all("ranks [0, 1] hold one replica" in r and "different contents of the same size" in r
+                   and "1 data-parallel replica(s): ranks [0, 1]" in r for r in res), res
         return
     assert "rank 1 could not start this call" in res[0], res
     assert res[1].startswith("piper:") and "could not start" not in res[1], res

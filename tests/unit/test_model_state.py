@@ -12,7 +12,9 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import piper_compile as piper
-from piper_compile.runtime.consistency import CallLayout, CallRecord, replicas, validate, weights_for
+from piper_compile.runtime.consistency import (
+    CallLayout, CallRecord, batch_fingerprint, replicas, validate, weights_for,
+)
 from piper_compile.testing.models import build_model
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -148,8 +150,8 @@ def test_optimizer_made_before_the_first_call_is_the_one_that_steps() -> None:
 
 
 # -- the call check's rules --------------------------------------------------------------------------
-def _rec(program: int = 7, call: int = 0, batch: int = 8, forward_only: bool = False) -> CallRecord:
-    return CallRecord(0, program, call, batch, 11, forward_only)
+def _rec(program: int = 7, call: int = 0, batch: int = 8, forward_only: bool = False, data: int = 0) -> CallRecord:
+    return CallRecord(0, program, call, batch, 11, forward_only, data)
 
 
 LAYOUT = CallLayout(2, (0, 1), 1, (0, 1))
@@ -173,6 +175,40 @@ def test_validate_batches() -> None:
         validate([_rec(batch=8), _rec(batch=4)], CallLayout(2, (1,), 1, (0, 0)))
 
 
+def test_validate_batch_contents_within_a_replica() -> None:
+    """Ranks of one replica (here PP2 x DP2: ranks 0 and 2 are stages of replica 0) given different samples
+    of one size raise, naming the replicas; data-parallel replicas may differ; 0 means not compared."""
+    layout = CallLayout(2, (2, 3), 1, (0, 1, 0, 1))
+    with pytest.raises(piper.PiperRuntimeError) as e:
+        validate([_rec(data=5), _rec(data=6), _rec(data=7), _rec(data=6)], layout)
+    msg = str(e.value)
+    assert "ranks [0, 2] hold one replica" in msg and "different contents of the same size" in msg
+    assert "2 data-parallel replica(s): ranks [0, 2], ranks [1, 3]" in msg and "DistributedSampler" in msg
+    validate([_rec(data=5), _rec(data=6), _rec(data=5), _rec(data=6)], layout)
+    validate([_rec(data=5), _rec(data=0), _rec(data=7), _rec(data=0)], CallLayout(2, (0, 1, 2, 3), 1, (0, 1, 2, 3)))
+
+
+def test_batch_fingerprint_sees_contents_order_and_dtype() -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 100, (8, 16), generator=g)
+    x = torch.randn(8, 3, 5, generator=g)
+    base = batch_fingerprint([tokens, x])
+    assert base == batch_fingerprint([tokens.clone(), x.transpose(0, 2).contiguous().transpose(0, 2)])  # equal values, other layout
+    assert base != batch_fingerprint([tokens.flip(0), x])  # rows in another order
+    assert base != batch_fingerprint([tokens, x.double()])
+    nudged = x.clone()
+    nudged[5, 2, 4] = torch.nextafter(nudged[5, 2, 4], torch.tensor(1e9))  # one bit of one element
+    assert base != batch_fingerprint([tokens, nudged])
+    big = torch.randn(5000, generator=g)
+    swapped = big.clone()
+    swapped[[10, 4000]] = big[[4000, 10]]  # two elements trade places (equal plain sums)
+    assert batch_fingerprint([big]) != batch_fingerprint([swapped])
+    odd = [torch.zeros(0, 4), torch.tensor([True, False]), torch.randn(3, dtype=torch.complex64, generator=g),
+           torch.randn(4, generator=g).to(torch.bfloat16)]
+    assert batch_fingerprint(odd) == batch_fingerprint([t.clone() for t in odd]) != 0
+    assert batch_fingerprint([torch.nan * torch.ones(3)]) == batch_fingerprint([torch.nan * torch.ones(3)])
+
+
 def test_weights_are_sample_counts_and_exact_when_even() -> None:
     even = weights_for(CallLayout(2, (0, 1), 1, (0, 1)), [8, 8], 0)
     assert even.seed == 1.0 / 4 and even.loss_divisor == 4.0
@@ -186,3 +222,48 @@ def test_weights_are_sample_counts_and_exact_when_even() -> None:
 def test_replicas_join_peers() -> None:
     assert replicas(4, [(0, 1), (2, 3)]) == (0, 0, 2, 2)
     assert replicas(3, []) == (0, 1, 2)
+
+
+# -- a trained model changed under piper ------------------------------------------------------------------
+def test_a_parameter_replaced_after_training_started_is_refused() -> None:
+    """``model.fc.weight = nn.Parameter(...)`` between steps: piper's optimizer state belongs to the old
+    tensor. Before, data parallel silently started a fresh optimizer for the whole model (AdamW moments and
+    step counts gone) and ZeRO/pipeline runs blamed "another model"; now the call names the parameter and
+    the in-place way. An in-place change of the values trains on, as eager would."""
+    model = build_model("mlp", 0)
+    ref = build_model("mlp", 0)
+    step = piper.compile(model, codegen="eager", optimizer=SGD)
+    (x, y), = _batches(model, 1)
+    step(x, y)
+    name, p = next(iter(model.named_parameters()))
+    owner, attr = (model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) if "." in name else (model, name)
+    with torch.no_grad():
+        p.mul_(0.5)  # in place: fine
+    step(x, y)
+    setattr(owner, attr, nn.Parameter(p.detach().clone()))
+    with pytest.raises(piper.PiperError, match=rf"1 parameter\(s\) of this model were replaced .*\({name}\).*copy_"):
+        step(x, y)
+    opt = SGD(ref.parameters())
+    for i in range(2):
+        if i == 1:
+            with torch.no_grad():
+                next(iter(ref.parameters())).mul_(0.5)
+        opt.zero_grad()
+        ref(x, y).backward()
+        opt.step()
+    setattr(owner, attr, p)  # the trained tensor back: the model is the one piper trains again
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_model_converted_after_training_started_is_refused() -> None:
+    """``model.to(torch.bfloat16)`` between steps failed deep in a kernel ("expected scalar type BFloat16
+    but found Float"); now the call names the parameters, the dtypes, and mixed_precision."""
+    model = build_model("mlp", 0)
+    step = piper.compile(model, codegen="eager", optimizer=SGD)
+    (x, y), = _batches(model, 1)
+    step(x, y)
+    model.to(torch.float64)
+    with pytest.raises(piper.PiperError, match=r"changed dtype or device .* torch.float32 on cpu -> torch.float64 on "
+                                               r"cpu.*mixed_precision"):
+        step(x.double(), y.double())
