@@ -45,10 +45,9 @@ from piper_compile.plan import residency
 from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.residency import Reads
 from piper_compile.plan.verifier import verify_programs
-from piper_compile.runtime.consistency import (
-    CallCheck, CallLayout, CallRecord, batch_fingerprint, call_layout, fingerprint, local_calls, post_failure,
-    shares_batches,
-)
+from piper_compile.capture.items import ItemCount, find_item_count
+from piper_compile.runtime.call_inputs import call_check
+from piper_compile.runtime.consistency import CallCheck, CallLayout, call_layout, fingerprint, local_calls, post_failure
 from piper_compile.runtime import graph as step_graph
 from piper_compile.runtime.executor import Executor
 from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
@@ -136,6 +135,7 @@ class CompiledStep:
         self.blueprints: dict[bool, Blueprint] = {}
         self._bindings: dict[tuple[int, ...], list[CompiledStep]] = {}
         self._local: Executor | None = None  # piper.local(): forward-only, no communication (per model)
+        self._item_count: tuple[ItemCount | None] | None = None  # capture/items.py, found at the first call
 
     @property
     def options(self) -> Options:
@@ -450,10 +450,10 @@ class CompiledStep:
             return (self._local_call(args, train),)
         assert self.state is not None and self.joint is not None
         bp = self.blueprint(forward_only=not train)
-        record = CallRecord(self.state.index, bp.fingerprint, self.state.calls, self._local_batch(args),
-                            len(args), not train, self._batch_print(args, bp.layout))
+        check = call_check(self.joint, self._items(), args, (self.state.index, bp.fingerprint, self.state.calls),
+                           not train, bp.layout, self.rank, self.world, self.options.timeout_s)
+        record = check.record
         self.state.calls += 1
-        check = CallCheck(record, bp.layout, self.rank, self.world, self.options.timeout_s)
         if (not train) not in self.plans or not self.state.broadcast_done or self.state.pending:
             check.resolve()  # before this call creates process groups, broadcasts or loads anything
         plan = self.plan(forward_only=not train)
@@ -521,25 +521,17 @@ class CompiledStep:
         executor = self._local_executor()
         residency.check_resident(residency.reads_of(executor.program), self.state, self.rank, "piper.local() program")
         bp = self.blueprint(True)
-        record = CallRecord(self.state.index, bp.fingerprint, -1, self._local_batch(args), len(args), True)
-        return executor.run(list(args), CallCheck.alone(record, bp.layout.microbatches))
-
-    def _local_batch(self, args: tuple[Any, ...]) -> int:
-        """The leading size of the batched inputs (all equal), or the micro-batch count if none is batched."""
         assert self.joint is not None
-        sizes = {s.name: int(args[s.arg_index].shape[0]) for s in self.joint.inputs if s.kind == INPUT and s.batched}
-        if len(set(sizes.values())) > 1:
-            raise PiperError(f"piper: the batched inputs have different leading sizes {sizes}; every batched input "
-                             "must hold the same samples along dim 0")
-        return next(iter(sizes.values()), self.blueprint(not torch.is_grad_enabled()).layout.microbatches)
+        layout = CallLayout(bp.layout.microbatches, (0,), 1, (0,))
+        return executor.run(list(args), call_check(self.joint, self._items(), args, (self.state.index, bp.fingerprint, -1),
+                                                   True, layout, 0, 1, 0.0))
 
-    def _batch_print(self, args: tuple[Any, ...], layout: Any) -> int:
-        """The inputs' content fingerprint, where ranks of one replica must pass the same batch; else 0."""
-        if not shares_batches(layout):
-            return 0
-        assert self.joint is not None
-        return batch_fingerprint([args[s.arg_index] for s in self.joint.inputs
-                                  if s.kind == INPUT and s.arg_index is not None])
+    def _items(self) -> ItemCount | None:
+        """How the loss's items weigh per micro-batch, where it is a mean over items (``capture/items.py``)."""
+        if self._item_count is None:
+            assert self.joint is not None
+            self._item_count = (find_item_count(self.joint),)
+        return self._item_count[0]
 
     def _check_inputs(self, args: tuple[Any, ...]) -> None:
         if self.joint is None:

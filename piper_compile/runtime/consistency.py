@@ -66,6 +66,9 @@ def fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
+NO_ITEMS, ALL_ITEMS, SOME_ITEMS = 0, 1, 2  # the loss is a sample mean / an item mean, every label kept / not
+
+
 @dataclass(frozen=True)
 class CallRecord:
     """What one rank is calling."""
@@ -77,13 +80,18 @@ class CallRecord:
     nargs: int  # tensors and ints the compiled step was called with
     forward_only: bool
     data: int = 0  # fingerprint of the inputs' contents (0: not compared; see ``batch_fingerprint``)
+    items: float = 0.0  # the loss's total item weight in this rank's batch (``capture/items.py``)
+    item_mode: int = NO_ITEMS
 
     def row(self) -> list[int]:
-        return [self.model, self.program, self.call, self.batch, self.nargs, int(self.forward_only), self.data]
+        bits = int(torch.tensor([self.items], dtype=torch.float64).view(torch.int64)[0])
+        return [self.model, self.program, self.call, self.batch, self.nargs, int(self.forward_only), self.data,
+                bits, self.item_mode]
 
     @classmethod
     def from_row(cls, row: list[int]) -> "CallRecord":
-        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), row[6])
+        items = float(torch.tensor([row[7]], dtype=torch.int64).view(torch.float64)[0])
+        return cls(row[0], row[1], row[2], row[3], row[4], bool(row[5]), row[6], items, row[8])
 
     def same_call(self, other: "CallRecord") -> bool:
         """The same program of the same model at the same call (the argument count may differ: Dynamo can
@@ -152,6 +160,27 @@ class Weights:
 
     seed: float
     loss_divisor: float
+    seeds: tuple[float, ...] = ()  # per micro-batch, for a loss that is a mean over items (``items_weights``)
+    tp: int = 1
+
+    def seed_of(self, mb: int | None) -> float:
+        """The backward seed of micro-batch ``mb``'s loss."""
+        return self.seeds[mb or 0] if self.seeds else self.seed
+
+    def loss_weight(self, mb: int | None) -> float | None:
+        """What micro-batch ``mb``'s loss is multiplied by as it is added to this rank's share (None: added
+        as it is, the sum divided by ``loss_divisor``). A micro-batch without items weighs 0 and is left
+        out: its own mean is 0/0."""
+        return self.seeds[mb or 0] / self.tp if self.seeds else None
+
+
+def items_weights(layout: CallLayout, items: list[float], counts: tuple[float, ...]) -> Weights:
+    """A loss that is a mean over items (``capture/items.py``): micro-batch ``k`` of this rank, holding
+    ``counts[k]`` of the global batch's ``C`` items, is seeded with ``counts[k] / C`` (each replica's
+    total counted once, though its tensor-parallel ranks all hold the loss)."""
+    total = sum(items[h] for h in layout.holders) / layout.tp
+    seeds = tuple(c / total if total else float("nan") for c in counts)
+    return Weights(seeds[0], 1.0, seeds, layout.tp)
 
 
 def weights_for(layout: CallLayout, batches: list[int], rank: int) -> Weights:
@@ -178,8 +207,10 @@ class CallCheck:
     """The check of one call: started at the call, resolved (waited for and validated) at the first
     point that needs it. ``resolve`` returns this rank's ``Weights`` or raises on every rank."""
 
-    def __init__(self, record: CallRecord, layout: CallLayout, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, record: CallRecord, layout: CallLayout, rank: int, world: int, timeout_s: float,
+                 counts: tuple[float, ...] = ()) -> None:
         self.record, self.layout, self.rank, self.world = record, layout, rank, world
+        self.counts = counts  # this rank's micro-batches' item weights (a loss that is a mean over items)
         self.timeout_s = timeout_s
         self._weights: Weights | None = None
         self.batches: list[int] = []  # every rank's local batch (after resolve)
@@ -193,9 +224,9 @@ class CallCheck:
             self.work = dist.all_reduce(self.table, group=_check_group(timeout_s), async_op=True)
 
     @classmethod
-    def alone(cls, record: CallRecord, microbatches: int) -> "CallCheck":
+    def alone(cls, record: CallRecord, microbatches: int, counts: tuple[float, ...] = ()) -> "CallCheck":
         """The check of a call this rank makes alone (world 1, or ``piper.local()``): local validation only."""
-        return cls(record, CallLayout(microbatches, (0,), 1, (0,)), 0, 1, 0.0)
+        return cls(record, CallLayout(microbatches, (0,), 1, (0,)), 0, 1, 0.0, counts)
 
     def resolve(self) -> Weights:
         if self._weights is None:
@@ -204,7 +235,10 @@ class CallCheck:
             rows = [CallRecord.from_row(r) for r in self.table.tolist()]
             validate(rows, self.layout)
             self.batches = [r.batch for r in rows]
-            self._weights = weights_for(self.layout, self.batches, self.rank)
+            if any(r.item_mode == SOME_ITEMS for r in rows):
+                self._weights = items_weights(self.layout, [r.items for r in rows], self.counts)
+            else:
+                self._weights = weights_for(self.layout, self.batches, self.rank)
         return self._weights
 
     def global_batch(self) -> int:

@@ -27,7 +27,7 @@ from piper_compile.plan.reorder import needs, still_read
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.host_heap import keep_host_heap
 from piper_compile.runtime.state import TrainState
-from piper_compile.runtime.step import Pending, Step, StepStats
+from piper_compile.runtime.step import Pending, Step, StepStats, split_mb
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import tensor_bytes as _nbytes
 
@@ -247,6 +247,7 @@ class Executor:
         """Run a compute op: its inputs (handed over at their last use when ``release``), its outputs
         stored and counted, its loss and gradients accumulated."""
         n = ins.node
+        step.mb = n.attr("mb", 0)  # whose loss seed a backward reads
         inputs = [step.get(v) for v in n.inputs]
         for v in self._handed_over(ins) if release else ():  # last use: the segment may free it once done with it
             if v in step.env:
@@ -261,7 +262,11 @@ class Executor:
         self.stats.compute += 1
         loss = getattr(n.op, "loss", None)
         if loss:
-            step.loss_sum.add_(step.env[loss].detach())
+            weight = step.weights().loss_weight(split_mb(loss)[1])
+            if weight is None:
+                step.loss_sum.add_(step.env[loss].detach())
+            elif weight:  # a micro-batch without items adds nothing (its own mean is 0/0)
+                step.loss_sum.add_(step.env[loss].detach(), alpha=weight)  # in the sum's dtype (fp32)
         grads = n.op.grad_outputs()
         if self.grads is not None and grads:
             for v, fqn in grads:

@@ -73,7 +73,7 @@ class StepGraph:
         self.calls += 1
         if self.calls <= WARMUP:
             return self._on_side_stream(args, check)
-        if self.graph is None or self._key(args) != self.key:
+        if self.graph is None or self._key(args, check) != self.key:
             return self._record(args, check)
         for i in self.batched:
             self.static[i].copy_(args[i])
@@ -90,9 +90,10 @@ class StepGraph:
         main.wait_stream(self.stream)
         return loss
 
-    def _key(self, args: list[Any]) -> tuple[Any, ...]:
+    def _key(self, args: list[Any], check: Any) -> tuple[Any, ...]:
         """What a recording bakes in: the batch's layout, the other tensors' storage and version, the
-        optimizer's hyperparameters and its state's storage and version. A replay bumps no version (only
+        optimizer's hyperparameters and its state's storage and version, the loss seeds (a loss that is a
+        mean over items seeds each micro-batch by its items: ``capture/items.py``). A replay bumps no version (only
         an op called from Python does), so a changed version is a write from outside the recorded step --
         a checkpoint load into the parameters -- after which the compute copies the recording reads would
         be stale: the step is recorded again (its first read of each copy then refreshes it)."""
@@ -104,7 +105,8 @@ class StepGraph:
                                    for k, v in g.items() if k != "params")) for g in opt.param_groups)
         state = tuple((t.data_ptr(), t._version) for s in opt.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor))
-        return batch, fixed, hyper, state
+        weights = check.resolve()
+        return batch, fixed, hyper, state, (weights.seed, weights.seeds)
 
     def _record(self, args: list[Any], check: Any) -> torch.Tensor:
         """Record the step on copies of the batch, then replay it once (the recording computes nothing)."""
@@ -126,7 +128,7 @@ class StepGraph:
             return self.ex.run(args, check)
         self.updates = self.ex.state.updates - before  # counted by the recording: the replay below makes them
         # the key after the recording: its in-place ops bumped the versions (replays will not)
-        self.graph, self.loss, self.key, self.pool = graph, loss, self._key(args), graph.pool()
+        self.graph, self.loss, self.key, self.pool = graph, loss, self._key(args, check), graph.pool()
         self.recorded += 1
         graph.replay()
         return loss.clone()

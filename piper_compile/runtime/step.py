@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT
+from piper_compile.capture.joint import BUFFER, INPUT, PARAM, SYM, TANGENT, TANGENT_VALUE
 from piper_compile.errors import PiperRuntimeError
 from piper_compile.plan.program import Instr
 from piper_compile.runtime import comm
@@ -65,7 +65,7 @@ class StepStats:
         return dict(self.__dict__)
 
 
-def _split_mb(name: str) -> tuple[str, int | None]:
+def split_mb(name: str) -> tuple[str, int | None]:
     if "@mb" in name:
         base, mb = name.rsplit("@mb", 1)
         return base, int(mb)
@@ -99,6 +99,7 @@ class Step:
         self.live = self.gathered = 0
         self.transient = 0  # bytes the compute step just run held only while it ran (fused gradients)
         self.t0 = time.perf_counter()
+        self.mb = 0  # the micro-batch of the compute step reading its inputs (executor.Executor)
 
     # -- values ----------------------------------------------------------------------------------
     def _symbols(self) -> dict[str, int]:
@@ -113,11 +114,13 @@ class Step:
         if x is None:
             x = self.externals.get(v)
             if x is None:
-                x = self.externals[v] = self._external(v)
+                x = self._external(v)
+                if v != TANGENT_VALUE or not self.weights().seeds:  # per micro-batch seeds: made at each read
+                    self.externals[v] = x
         return x
 
     def _external(self, name: str) -> Any:
-        base, mb = _split_mb(name)
+        base, mb = split_mb(name)
         if base.startswith("symexpr:"):
             return self.eval(base[len("symexpr:"):])
         spec = self.ex.specs.get(base)
@@ -130,7 +133,7 @@ class Step:
         if spec.kind == BUFFER:
             return args[spec.arg_index]
         if spec.kind == TANGENT:  # this rank's share of the global batch, per micro-batch loss
-            seed = self.weights().seed
+            seed = self.weights().seed_of(self.mb if mb is None else mb)
             scaler = self.state.scaler
             return torch.full((), seed if scaler is None else scaler.seed(seed), dtype=self.ex.tangent_dtype,
                               device=self.device)

@@ -61,9 +61,8 @@ class LlamaLoss(nn.Module):
     ``labels`` are the targets already aligned with the positions (``labels[:, t]`` is the token after
     ``input_ids[:, t]``, see :meth:`make_batch`), so every sample contributes the same number of tokens
     and the mean over micro-batches equals the mean over the whole batch. ``hf_loss=True`` instead passes
-    ``labels=`` to the model (transformers' own shifted loss, which ignores the last position; it averages
-    per call, so it equals the global mean only when every micro-batch has as many non-ignored labels --
-    true here, not with uneven ``-100`` padding)."""
+    ``labels=`` to the model (transformers' own shifted loss, which ignores the last position: a mean over
+    the labels kept, which piper weighs per micro-batch by their count, ``capture/items.py``)."""
 
     def __init__(self, seq: int = 16, hf_loss: bool = False, seed: int | None = None, **config: Any) -> None:
         super().__init__()

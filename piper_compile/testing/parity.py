@@ -39,6 +39,9 @@ class RunConfig:
     poison: tuple[int, int] | None = None  # (step, row): that global batch row's first input is inf
     meta: bool = False  # build on the meta device: ranks init their pieces (options["init"]); the reference
     # is piper.materialize of the same meta model
+    ignored_labels: bool = False  # padded language-model labels: each row keeps a different number of its
+    # leading labels, the rest are -100 (the loss is a mean over the labels kept: capture/items.py); at
+    # step 1 the global batch's rows 2 and 3 keep none (a micro-batch of 2 rows without items)
 
     def backend(self) -> str:
         """The process group backend of a run: NCCL for one GPU per rank, else gloo."""
@@ -105,6 +108,13 @@ def _global_batch(model: nn.Module, cfg: RunConfig, step: int, n: int) -> tuple[
     batch = tuple(t.to(_device(cfg)) for t in model.make_batch(n, gen))  # type: ignore[operator]
     if cfg.poison is not None and cfg.poison[0] == step:  # an overflow in one replica's rows
         batch[0][cfg.poison[1]] = float("inf")
+    if cfg.ignored_labels:
+        labels = batch[-1].clone()
+        seq = labels.shape[1]
+        for r in range(n):
+            keep = 0 if step == 1 and r in (2, 3) else 1 + (5 * r + 3 * step) % seq
+            labels[r, keep:] = -100
+        batch = (*batch[:-1], labels)
     return batch
 
 
@@ -187,8 +197,9 @@ class ComputeCopy:
     accumulates itself (``capture/grad_parts.py``)."""
 
     def __init__(self, model: nn.Module, precision: Precision, chunks: int = 1, replicas: int = 1,
-                 untie: bool = False) -> None:
+                 untie: bool = False, items: bool = False) -> None:
         self.master, self.precision, self.chunks, self.replicas = model, precision, chunks, replicas
+        self.items = items  # the loss is a mean over the labels not -100: pieces weigh their labels kept
         self.copy = copy.deepcopy(model) if precision.active else model
         if precision.active:
             if untie:
@@ -233,8 +244,12 @@ class ComputeCopy:
                 c.grad = None
             loss = self.copy(*(self.precision.cast_input(t[rows]) for t in batch))
             weight = len(rows) / n  # the micro-batch's share of the global mean, seeded in the compute dtype
+            if self.items:
+                kept = batch[-1] != -100
+                weight = float(kept[rows].sum()) / float(kept.sum())
             loss.backward(torch.full((), weight * scale, dtype=loss.dtype, device=loss.device))
-            total += weight * loss.detach().double()
+            if weight:  # a piece without items: its own mean is 0/0 and weighs nothing
+                total += weight * loss.detach().double()
             acc = per_replica[-1]
             for j, (c, m) in enumerate(self._pairs()):  # summed in fp32
                 if c.grad is not None:
@@ -287,7 +302,8 @@ def eager_reference(cfg: RunConfig, world: int) -> dict[str, Any]:
     sched = cfg.make_scheduler(opt)
     total = sum(cfg.replica_batches(world))
     losses, norms, scales = [], [], []
-    compute = ComputeCopy(model, cfg.precision(), cfg.pieces(world), cfg.dp_degree(world), _ends_apart(cfg))
+    compute = ComputeCopy(model, cfg.precision(), cfg.pieces(world), cfg.dp_degree(world), _ends_apart(cfg),
+                          cfg.ignored_labels)
     scaler = _grad_scaler(cfg)
     for s in range(cfg.steps):
         batch = _global_batch(model, cfg, s, total)
