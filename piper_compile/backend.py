@@ -45,6 +45,7 @@ from piper_compile.plan import residency
 from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.residency import Reads
 from piper_compile.plan.verifier import verify_programs
+from piper_compile.capture.coupling import refuse_coupling
 from piper_compile.capture.items import ItemCount, find_item_count
 from piper_compile.runtime.call_inputs import call_check
 from piper_compile.runtime.consistency import CallCheck, CallLayout, call_layout, fingerprint, local_calls, post_failure
@@ -307,7 +308,9 @@ class CompiledStep:
             if self.options.memory_budget_mb is not None and not forward_only:  # before anything runs
                 device = self.state.device.type if self.state is not None else "cpu"
                 check_budget(plan_memory(dag, programs, self.options.optimizer, device), self.options.memory_budget_mb)
-            self.blueprints[forward_only] = Blueprint(dag, programs, self.world)
+            bp = self.blueprints[forward_only] = Blueprint(dag, programs, self.world)
+            if not self.options.local_batch_ops:
+                refuse_coupling(self.joint, lambda: bp.layout)
         return self.blueprints[forward_only]
 
     def plan(self, forward_only: bool) -> Plan:

@@ -18,7 +18,7 @@ from piper_compile.precision import Precision
 
 OPTION_KEYS = frozenset({"directives", "optimizer", "codegen", "timeout", "clip_grad_norm", "remat",
                          "overlap_streams", "reorder_window", "mixed_precision", "loss_scaling", "log_stats",
-                         "memory_budget_mb", "init", "init_seed", "init_fn", "cuda_graph"})
+                         "memory_budget_mb", "init", "init_seed", "init_fn", "cuda_graph", "local_batch_ops"})
 
 
 @dataclass
@@ -38,6 +38,7 @@ class Options:
     memory_budget_mb: float | None = None  # reject a plan whose predicted per-rank peak exceeds it (memory.py)
     init: Any = None  # options["init"] / ["init_seed"] for models built on the meta device (init/deferred.py)
     cuda_graph: bool = False  # one GPU: replay the whole training step as one CUDA graph (runtime/graph.py)
+    local_batch_ops: bool = False  # ops relating samples see each piece's own (capture/coupling.py)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "Options":
@@ -61,7 +62,9 @@ class Options:
                                                     options.get("loss_scaling")), _every(options),
                    _budget(options.get("memory_budget_mb")), InitChoice.parse(options),
                    _flag(options, "cuda_graph", "on one GPU, record the whole training step once and replay it as "
-                         "one CUDA graph"))
+                         "one CUDA graph"),
+                   _flag(options, "local_batch_ops", "ops relating samples of the batch to each other, such as a "
+                         "contrastive loss's in-batch negatives, see only each micro-batch's and replica's own samples"))
 
 
 def _optimizer(opt: Any) -> Callable[..., torch.optim.Optimizer] | None:

@@ -173,7 +173,7 @@ def source_of(node: fx.Node) -> str | None:
     return f"{path}:{line} in {fn}: `{code.strip()}`"
 
 
-def _describe_op(node: fx.Node, batch: int | None) -> str:
+def describe_op(node: fx.Node, batch: int | None) -> str:
     target = getattr(node.target, "__name__", str(node.target))
     where = source_of(node)
     return (f"{target}(... {batch} ...)" if batch is not None else f"{target}(...)") + (f" ({where})" if where else "")
@@ -185,12 +185,12 @@ def _int_args(node: fx.Node) -> list[int]:
     return ints
 
 
-def _has_batch(size: Any, symbols: frozenset[Any]) -> bool:
+def has_batch(size: Any, symbols: frozenset[Any]) -> bool:
     return isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols & symbols)
 
 
 def _batched(val: Any, symbols: frozenset[Any]) -> bool:
-    return isinstance(val, torch.Tensor) and val.dim() > 0 and _has_batch(val.shape[0], symbols)
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and has_batch(val.shape[0], symbols)
 
 
 def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbols: frozenset[Any] = frozenset()) -> str | None:
@@ -204,7 +204,7 @@ def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbols: frozenset
         literal = batch in _int_args(node)
         if not batch_symbols:
             if literal:
-                return _describe_op(node, batch)
+                return describe_op(node, batch)
             continue
         out = node.meta.get("example_value")
         if not (isinstance(out, torch.Tensor) and out.dim() > 0):
@@ -212,11 +212,11 @@ def find_batch_constant(gm: fx.GraphModule, batch: int, batch_symbols: frozenset
         if not any(_batched(a.meta.get("example_value"), batch_symbols) for a in node.all_input_nodes):
             continue
         lead = out.shape[0]
-        lead_batched = _has_batch(lead, batch_symbols)
+        lead_batched = has_batch(lead, batch_symbols)
         if literal and not lead_batched and int(lead) == batch:
-            return _describe_op(node, batch)
+            return describe_op(node, batch)
         if _is_reshape(node) and not lead_batched:  # e.g. x.view(8, -1): samples mixed across rows
-            return _describe_op(node, None)
+            return describe_op(node, None)
     return None
 
 

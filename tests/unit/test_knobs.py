@@ -33,7 +33,7 @@ def test_every_piper_variable_in_the_code_is_registered_and_read_only_through_kn
               if re.search(r"(environ\.get|getenv)\(\s*[\"']PIPER_", line)]
     assert not direct, direct  # setting one (os.environ[...] = ...) for a child process is fine
     # no dead knob: each is read somewhere (the boolean options read PIPER_<OPTION> by name, options._flag)
-    assert set(KNOBS) <= named | {"PIPER_REMAT", "PIPER_OVERLAP_STREAMS"}
+    assert set(KNOBS) <= named | {"PIPER_REMAT", "PIPER_OVERLAP_STREAMS", "PIPER_LOCAL_BATCH_OPS"}
 
 
 def test_defaults_values_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,54 @@
+"""Ops that relate samples of the batch to each other, which micro-batches and replicas cannot split.
+
+piper's step equals single-device training on the global batch because every sample's computation is
+its own until the loss averages them. An op whose result holds the batch dimension twice -- the
+similarity matrix of a contrastive loss (``za @ zb.T`` with in-batch negatives), pairwise distances for
+hard-negative mining -- relates every sample to every other: cut into micro-batches or data-parallel
+replicas, each piece would see only its own samples as negatives, and the loss would be a plausible,
+different number (CLIP-style toy: 1.447 with split(2) against eager's 2.239). Such a model is refused
+where the batch is cut, naming the op and the user's line; ``options["local_batch_ops"] = True`` accepts
+the per-piece meaning (what DDP computes).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from piper_compile.capture.joint import JointGraph, describe_op, has_batch
+from piper_compile.errors import PiperError
+
+
+def find_batch_coupling(gm: fx.GraphModule, batch_symbols: frozenset[Any]) -> str | None:
+    """The first op of Dynamo's graph (nested regions' bodies included) whose result has the batch size
+    in two dimensions; None if there is none or the batch is static."""
+    if not batch_symbols:
+        return None
+    for node in (n for g in gm.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes):
+        out = node.meta.get("example_value")
+        if node.op in ("call_function", "call_method", "call_module") and isinstance(out, torch.Tensor) \
+                and sum(has_batch(size, batch_symbols) for size in out.shape) >= 2:
+            return describe_op(node, None) + f" -> shape {tuple(out.shape)}"
+    return None
+
+
+def refuse_coupling(joint: JointGraph, layout: Callable[[], Any]) -> None:
+    """Raise where an op relates the batch's samples to each other and the plan cuts the batch (its
+    ``CallLayout``, made only then: more than one micro-batch or data-parallel replica)."""
+    op = find_batch_coupling(joint.dynamo_gm, joint.batch_symbols)
+    if op is None:
+        return
+    cuts = layout()
+    microbatches, replicas = cuts.microbatches, len(set(cuts.replica))
+    if microbatches <= 1 and replicas <= 1:
+        return
+    cut = " and ".join(([f"{microbatches} micro-batches"] if microbatches > 1 else []) +
+                       ([f"{replicas} data-parallel replicas"] if replicas > 1 else []))
+    raise PiperError(
+        f"piper: the forward relates samples of the batch to each other at {op} (a result with the batch "
+        f"dimension twice, e.g. the in-batch negatives of a contrastive loss), but this plan cuts the batch into "
+        f"{cut}: each piece would see only its own samples, so the step would differ from single-device "
+        "training on the global batch. Train this model with one micro-batch on one replica, or pass "
+        "options['local_batch_ops'] = True to accept that each micro-batch and replica computes it over its "
+        "own samples (as DDP would).")
