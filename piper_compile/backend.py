@@ -46,7 +46,7 @@ from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.residency import Reads
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.capture.coupling import refuse_coupling
-from piper_compile.capture.items import ItemCount, find_item_count
+from piper_compile.capture.items import LossForm, loss_form
 from piper_compile.runtime.call_inputs import call_check
 from piper_compile.runtime.consistency import CallCheck, CallLayout, call_layout, fingerprint, local_calls, post_failure
 from piper_compile.runtime import graph as step_graph
@@ -136,7 +136,7 @@ class CompiledStep:
         self.blueprints: dict[bool, Blueprint] = {}
         self._bindings: dict[tuple[int, ...], list[CompiledStep]] = {}
         self._local: Executor | None = None  # piper.local(): forward-only, no communication (per model)
-        self._item_count: tuple[ItemCount | None] | None = None  # capture/items.py, found at the first call
+        self._loss_form: LossForm | None = None  # how the loss adds up over pieces (capture/items.py)
 
     @property
     def options(self) -> Options:
@@ -453,7 +453,7 @@ class CompiledStep:
             return (self._local_call(args, train),)
         assert self.state is not None and self.joint is not None
         bp = self.blueprint(forward_only=not train)
-        check = call_check(self.joint, self._items(), args, (self.state.index, bp.fingerprint, self.state.calls),
+        check = call_check(self.joint, self._form(), args, (self.state.index, bp.fingerprint, self.state.calls),
                            not train, bp.layout, self.rank, self.world, self.options.timeout_s)
         record = check.record
         self.state.calls += 1
@@ -526,15 +526,15 @@ class CompiledStep:
         bp = self.blueprint(True)
         assert self.joint is not None
         layout = CallLayout(bp.layout.microbatches, (0,), 1, (0,))
-        return executor.run(list(args), call_check(self.joint, self._items(), args, (self.state.index, bp.fingerprint, -1),
+        return executor.run(list(args), call_check(self.joint, self._form(), args, (self.state.index, bp.fingerprint, -1),
                                                    True, layout, 0, 1, 0.0))
 
-    def _items(self) -> ItemCount | None:
-        """How the loss's items weigh per micro-batch, where it is a mean over items (``capture/items.py``)."""
-        if self._item_count is None:
+    def _form(self) -> LossForm:
+        """How the loss adds up over micro-batches and replicas (``capture/items.py``)."""
+        if self._loss_form is None:
             assert self.joint is not None
-            self._item_count = (find_item_count(self.joint),)
-        return self._item_count[0]
+            self._loss_form = loss_form(self.joint)
+        return self._loss_form
 
     def _check_inputs(self, args: tuple[Any, ...]) -> None:
         if self.joint is None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from piper_compile.capture.joint import BUFFER, INPUT, SYM, InputSpec, JointGraph
+from piper_compile.capture.joint import BUFFER, INPUT, SYM, InputSpec, JointGraph, has_batch
 
 aten = torch.ops.aten
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
@@ -75,6 +75,59 @@ def _value(spec: InputSpec, args: tuple[Any, ...], k: int, mb_size: int) -> Any:
         return mb_size if spec.batched else int(args[spec.arg_index])
     x = args[spec.arg_index]
     return x.narrow(0, k * mb_size, mb_size) if spec.kind == INPUT and spec.batched else x
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """How a captured loss adds up over micro-batches and replicas: a mean over samples (the default),
+    a mean over items (``items``), or a sum over the batch (``additive``: ``reduction="sum"``, or
+    ``x.sum()``, possibly times a constant), whose pieces' losses and gradients add up unweighted."""
+
+    items: ItemCount | None = None
+    additive: bool = False
+
+
+def loss_form(joint: JointGraph) -> LossForm:
+    """The ``LossForm`` of ``joint``'s loss."""
+    return LossForm(find_item_count(joint), is_sum_over_batch(joint))
+
+
+# losses with a ``reduction`` argument (0 none, 1 mean, 2 sum), by its position
+_REDUCTION_ARG = {aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
+                  aten.kl_div.default: 2, aten.soft_margin_loss.default: 2, aten.binary_cross_entropy.default: 3,
+                  aten.binary_cross_entropy_with_logits.default: 4}
+_SUM = 2
+
+
+def is_sum_over_batch(joint: JointGraph) -> bool:
+    """Whether the loss is a sum over a batched value (times constants): ``reduction="sum"``, ``x.sum()``."""
+    n = next((n for n in joint.gm.graph.nodes if n.name == joint.loss), None)
+    while isinstance(n, fx.Node) and n.target in (aten.mul.Tensor, aten.div.Tensor) \
+            and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool):
+        n = n.args[0]
+    if not isinstance(n, fx.Node):
+        return False
+    if n.target is operator.getitem and n.args[1] == 0 and isinstance(n.args[0], fx.Node) and n.args[0].target in _NLL:
+        src, reduction = n.args[0].args[0], n.args[0].args[3]
+    elif n.target in _REDUCTION_ARG:
+        k = _REDUCTION_ARG[n.target]
+        src, reduction = n.args[0], n.args[k] if len(n.args) > k else n.kwargs.get("reduction", 1)
+    elif n.target is aten.sum.default or (n.target is aten.sum.dim_IntList and not _keeps(n)):
+        src, reduction = n.args[0], _SUM
+    else:
+        return False
+    val = src.meta.get("val") if isinstance(src, fx.Node) else None
+    return reduction == _SUM and isinstance(val, torch.Tensor) and \
+        any(has_batch(size, joint.batch_symbols) for size in val.shape)
+
+
+def _keeps(n: fx.Node) -> bool:
+    """A ``sum.dim_IntList`` that keeps some dimension (not the whole sum)."""
+    val, dims = n.args[0].meta.get("val"), n.args[1]  # type: ignore[union-attr]
+    keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    if not dims:  # None or []: every dimension
+        return bool(keepdim)
+    return bool(keepdim) or val is None or len({d % val.dim() for d in dims}) < val.dim()
 
 
 def _mean_nll(n: Any) -> bool:

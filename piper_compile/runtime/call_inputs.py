@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from piper_compile.capture.items import ItemCount, MicroCounts
+from piper_compile.capture.items import ItemCount, LossForm, MicroCounts
 from piper_compile.capture.joint import INPUT, JointGraph
 from piper_compile.errors import PiperError
 from piper_compile.runtime.consistency import (
@@ -52,16 +52,17 @@ def item_counts(items: ItemCount | None, args: tuple[Any, ...], batch: int, m: i
 _WARNED: set[int] = set()
 
 
-def call_check(joint: JointGraph, items: ItemCount | None, args: tuple[Any, ...], ids: tuple[int, int, int],
+def call_check(joint: JointGraph, form: LossForm, args: tuple[Any, ...], ids: tuple[int, int, int],
                forward_only: bool, layout: CallLayout, rank: int, world: int, timeout_s: float) -> CallCheck:
     """The call check of this call (``ids``: the model's index, the plan's fingerprint, the call's index;
-    a call this rank makes alone has index -1), started."""
+    a call this rank makes alone has index -1; ``form``: how the loss adds up), started."""
     batch = local_batch(joint, args, layout.microbatches)
-    counts = item_counts(items, args, batch, layout.microbatches)
+    counts = item_counts(form.items, args, batch, layout.microbatches)
     mode = NO_ITEMS if counts is None else ALL_ITEMS if counts.full else SOME_ITEMS
     record = CallRecord(*ids, batch, len(args), forward_only, batch_print(joint, args, layout) if world > 1 else 0,
                         sum(counts.counts) if counts else 0.0, mode)
     per_mb = counts.counts if counts else ()
-    if ids[2] < 0:
-        return CallCheck.alone(record, layout.microbatches, per_mb)
-    return CallCheck(record, layout, rank, world, timeout_s, per_mb)
+    check = CallCheck.alone(record, layout.microbatches, per_mb) if ids[2] < 0 else \
+        CallCheck(record, layout, rank, world, timeout_s, per_mb)
+    check.additive = form.additive
+    return check

@@ -211,6 +211,7 @@ class CallCheck:
                  counts: tuple[float, ...] = ()) -> None:
         self.record, self.layout, self.rank, self.world = record, layout, rank, world
         self.counts = counts  # this rank's micro-batches' item weights (a loss that is a mean over items)
+        self.additive = False  # the loss is a sum over the batch: its pieces add up unweighted
         self.timeout_s = timeout_s
         self._weights: Weights | None = None
         self.batches: list[int] = []  # every rank's local batch (after resolve)
@@ -235,7 +236,9 @@ class CallCheck:
             rows = [CallRecord.from_row(r) for r in self.table.tolist()]
             validate(rows, self.layout)
             self.batches = [r.batch for r in rows]
-            if any(r.item_mode == SOME_ITEMS for r in rows):
+            if self.additive:  # each tensor-parallel holder of a replica has its whole sum
+                self._weights = Weights(1.0, float(self.layout.tp))
+            elif any(r.item_mode == SOME_ITEMS for r in rows):
                 self._weights = items_weights(self.layout, [r.items for r in rows], self.counts)
             else:
                 self._weights = weights_for(self.layout, self.batches, self.rank)

@@ -14,16 +14,17 @@ from piper_compile.nn.moe import MoE
 
 
 class MLPChain(nn.Module):
-    """``depth`` Linear+tanh layers; each layer is a pipeline-stage candidate."""
+    """``depth`` Linear+tanh layers; each layer is a pipeline-stage candidate. ``reduction``: the MSE's."""
 
-    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+    def __init__(self, dim: int = 32, depth: int = 4, reduction: str = "mean") -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+        self.reduction = reduction
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        return F.mse_loss(x, y)
+        return F.mse_loss(x, y, reduction=self.reduction)
 
     def annotate_stages(self, stages: int) -> None:
         for i, layer in enumerate(self.layers):

@@ -13,7 +13,7 @@ from torch import nn
 
 import piper_compile as piper
 from piper_compile.api import capture_step
-from piper_compile.capture.items import find_item_count
+from piper_compile.capture.items import find_item_count, is_sum_over_batch
 from piper_compile.runtime.consistency import CallLayout, items_weights
 
 SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
@@ -142,3 +142,56 @@ def test_a_cross_entropy_among_other_terms_warns_when_labels_are_dropped() -> No
     step(x, torch.ones_like(y))  # every label kept: exact, no warning
     with pytest.warns(UserWarning, match="adds other terms to a cross-entropy whose labels are not all kept"):
         step(x, y)
+
+
+class Regressor(nn.Module):
+    """A linear regressor whose loss reduction is chosen per test."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        o = self.a(x)
+        return {
+            "mse_sum": lambda: F.mse_loss(o, y, reduction="sum"),
+            "l1_sum": lambda: F.l1_loss(o, y, reduction="sum"),
+            "half_sum": lambda: (o - y).pow(2).sum() / 2,
+            "ce_sum": lambda: F.cross_entropy(o, y.argmax(-1), reduction="sum"),
+            "bce_sum": lambda: F.binary_cross_entropy_with_logits(o, y.sigmoid(), reduction="sum"),
+            "mse_mean": lambda: F.mse_loss(o, y),
+            "batchmean": lambda: (o - y).pow(2).sum() / x.shape[0],
+            "rows_kept": lambda: (o - y).pow(2).sum(dim=1, keepdim=True).mean(),
+            "weights_only": lambda: F.mse_loss(o, y) + self.a.weight.pow(2).sum(),
+        }[self.loss]()
+
+
+@pytest.mark.parametrize("loss", ["mse_sum", "l1_sum", "half_sum", "ce_sum", "bce_sum",
+                                  "mse_mean", "batchmean", "rows_kept", "weights_only"])
+def test_a_sum_over_the_batch_is_additive(loss: str) -> None:
+    torch.manual_seed(0)
+    step = capture_step(Regressor(loss), torch.randn(8, 8), torch.randn(8, 4), directives=[], world_size=1)
+    step._capture()
+    assert is_sum_over_batch(step.joint) == loss.endswith("_sum")
+
+
+@pytest.mark.parametrize("loss", ["mse_sum", "half_sum"])
+def test_a_sum_over_the_batch_trains_as_eager(loss: str) -> None:
+    """split(4) in one process: before, each micro-batch's sum was seeded with 1/4 (the returned loss and
+    the gradients a quarter of eager's)."""
+    torch.manual_seed(0)
+    model, ref = Regressor(loss), Regressor(loss)
+    ref.load_state_dict(model.state_dict())
+    opt_kind = functools.partial(torch.optim.SGD, lr=0.01)
+    step = piper.compile(model, directives=[piper.split(4)], codegen="eager", optimizer=opt_kind)
+    opt = opt_kind(ref.parameters())
+    for s in range(3):
+        gen = torch.Generator().manual_seed(s)
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        got = step(x, y).item()
+        opt.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        assert got == pytest.approx(want.item(), rel=1e-6)

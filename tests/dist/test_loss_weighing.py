@@ -1,5 +1,6 @@
-"""A loss that is a mean over items -- a language model's cross-entropy over padded labels (-100) -- on
-every strategy equals single-process training on the global batch (``capture/items.py``).
+"""Losses that are not means over samples, on every strategy, equal single-process training on the
+global batch (``capture/items.py``): a mean over items -- a language model's cross-entropy over padded
+labels (-100) -- and a sum over the batch (``reduction="sum"``).
 
 Before: each micro-batch's and replica's mean weighed its share of the *samples*, so a micro-batch of
 short sequences counted as much as one of long ones, and DP2 x split(2) of the bench GPT trained to a
@@ -97,3 +98,15 @@ def test_transformers_shifted_loss_over_padded_labels() -> None:
         assert r["losses"] == pytest.approx(want, rel=1e-5)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(res[0]["params"][name], p.detach(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["dp2_split2_zero1", "pp2_1f1b"])
+def test_sum_over_the_batch(case: str) -> None:
+    """``reduction="sum"``: each piece's sum adds up unweighted. Before, each was seeded with 1/(M x R) as
+    a mean would be, so the loss and gradients came out M x R times too small (27.8 for eager's 55.7)."""
+    mlp = {"reduction": "sum"}
+    cfg = RunConfig(model="mlp", model_kwargs=mlp, directives=[piper.replicate(zero=1), piper.split(2)])
+    if case == "pp2_1f1b":
+        cfg = RunConfig(model="mlp", model_kwargs=mlp, stages=2, no_grad_eval=True,
+                        directives=[*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)])
+    run_parity(RunConfig(**{**cfg.__dict__, "optimizer": ("SGD", {"lr": 0.002, "momentum": 0.9})}), 2)
