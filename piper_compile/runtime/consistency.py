@@ -183,6 +183,15 @@ def items_weights(layout: CallLayout, items: list[float], counts: tuple[float, .
     return Weights(seeds[0], 1.0, seeds, layout.tp)
 
 
+def _items_apart(rows: list[CallRecord], holders: tuple[int, ...]) -> bool:
+    """Whether the loss's items are not proportional to the samples: some rank dropped labels, or the
+    holders' samples carry different numbers of them (replicas padded to different sequence lengths)."""
+    if any(r.item_mode == SOME_ITEMS for r in rows):
+        return True
+    held = [rows[h] for h in holders if rows[h].item_mode == ALL_ITEMS and rows[h].batch > 0]
+    return any(r.items * held[0].batch != held[0].items * r.batch for r in held[1:])
+
+
 def weights_for(layout: CallLayout, batches: list[int], rank: int) -> Weights:
     """Sample-count weights: a replica with ``b`` of the global batch's ``B`` samples seeds each of its
     ``M`` micro-batch means with ``b / (M * B)``; equal batches give exactly ``1 / (M * replicas)``."""
@@ -238,7 +247,7 @@ class CallCheck:
             self.batches = [r.batch for r in rows]
             if self.additive:  # each tensor-parallel holder of a replica has its whole sum
                 self._weights = Weights(1.0, float(self.layout.tp))
-            elif any(r.item_mode == SOME_ITEMS for r in rows):
+            elif _items_apart(rows, self.layout.holders):
                 self._weights = items_weights(self.layout, [r.items for r in rows], self.counts)
             else:
                 self._weights = weights_for(self.layout, self.batches, self.rank)
@@ -331,6 +340,12 @@ def validate(rows: list[CallRecord], layout: CallLayout) -> None:
         for rank, r in enumerate(rows):
             groups[r.describe()].append(rank)
         what = "; ".join(f"rank{'s' if len(v) > 1 else ''} {v if len(v) > 1 else v[0]}: {k}" for k, v in groups.items())
+        if len({(r.model, r.call, r.forward_only) for r in rows}) == 1:  # one call, planned apart
+            raise PiperRuntimeError(
+                f"piper: the ranks made the same call but planned different programs for it (every rank raises "
+                f"this): {what}. Their inputs differ in a way that makes Dynamo trace another graph -- a "
+                "different sequence length or dtype, or a float argument -- or their directives or options differ. "
+                "Give every rank inputs of one shape (pad every batch to one length) and the same options.")
         raise PiperRuntimeError(
             f"piper: the ranks are making different calls (every rank raises this): {what}. Every rank must "
             "make the same piper calls in the same order: a step call (training, or forward-only under "

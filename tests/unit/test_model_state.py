@@ -13,7 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import piper_compile as piper
 from piper_compile.runtime.consistency import (
-    CallLayout, CallRecord, batch_fingerprint, replicas, validate, weights_for,
+    ALL_ITEMS, CallCheck, CallLayout, CallRecord, batch_fingerprint, replicas, validate, weights_for,
 )
 from piper_compile.testing.models import build_model
 
@@ -166,6 +166,8 @@ def test_validate_names_what_each_rank_called() -> None:
     with pytest.raises(piper.PiperRuntimeError, match="its call #3"):
         validate([_rec(call=3), _rec(call=4)], LAYOUT)
     validate([_rec(batch=8), _rec(batch=4)], LAYOUT)  # uneven data-parallel batches are fine
+    with pytest.raises(piper.PiperRuntimeError, match="same call but planned different programs.*sequence length"):
+        validate([_rec(), _rec(program=9)], LAYOUT)
 
 
 def test_validate_batches() -> None:
@@ -267,3 +269,17 @@ def test_a_model_converted_after_training_started_is_refused() -> None:
     with pytest.raises(piper.PiperError, match=r"changed dtype or device .* torch.float32 on cpu -> torch.float64 on "
                                                r"cpu.*mixed_precision"):
         step(x.double(), y.double())
+
+
+def test_item_weights_where_items_are_not_proportional_to_samples() -> None:
+    """Every label kept, but replica 1's samples are half as long (padded to its own length): the token
+    mean weighs replicas by tokens (24 and 8 of 32), not by samples (half each)."""
+    layout = CallLayout(1, (0, 1), 1, (0, 1))
+    rows = [CallRecord(0, 7, 0, 4, 11, False, 0, 24.0, ALL_ITEMS), CallRecord(0, 7, 0, 4, 11, False, 0, 8.0, ALL_ITEMS)]
+    check = CallCheck.alone(rows[0], 1, (24.0,))
+    check.layout, check.table = layout, torch.tensor([r.row() for r in rows])
+    assert check.resolve().seeds == (0.75,)
+    even = [CallRecord(0, 7, 0, 4, 11, False, 0, 24.0, ALL_ITEMS), CallRecord(0, 7, 0, 2, 11, False, 0, 12.0, ALL_ITEMS)]
+    check = CallCheck.alone(even[0], 1, (24.0,))
+    check.layout, check.table = layout, torch.tensor([r.row() for r in even])
+    assert check.resolve().seeds == () and check.resolve().seed == pytest.approx(4 / 6)  # by samples, as before

@@ -206,6 +206,7 @@ def _train_plain(model: nn.Module, directives: list[Any], steps: int = 3) -> tup
     return losses, piper.compiled_steps(step)[0]
 
 
+@pytest.mark.slow  # 6 s: keeps the fast subset under 5 min
 def test_float_attributes_inside_regions_become_constants(monkeypatch):
     """piper.compile traces floats as constants (``capture_settings``): Dynamo's graph has no float input;
     under the user's own torch.compile the ``specialize_floats`` pass finds them inside the regions."""
@@ -242,7 +243,8 @@ def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkey
     assert [v for src, v in plain.float_constants.values() if "ln1" in src] == [1e-5] * 2 + [1e-3] + [1e-5]
 
 
-@pytest.mark.parametrize("inside", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 5 s per case: keeps the fast subset under 5 min
+@pytest.mark.parametrize("inside", [False, True])
 def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch, inside):
     """``inside``: each block's MLP layers are regions too (torch's export keeps the outer calls only)."""
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")

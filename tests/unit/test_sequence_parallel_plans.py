@@ -26,6 +26,7 @@ def _tp(p: piper.StaticPlan, kind: Kind) -> list:
     return [n for n in p.dag.of_kind(kind) if isinstance(n.op, TpCollective)]
 
 
+@pytest.mark.slow  # 5 s: keeps the fast subset under 5 min
 def test_gpt_sequence_parallel_collectives():
     """Per micro-batch, 2 layers: the first block's qkv reads the whole embedding (all-reduce of its input
     gradient, the residual stream is cut to this rank's chunk at the first add); then every row-parallel
