@@ -110,3 +110,10 @@ def test_sum_over_the_batch(case: str) -> None:
         cfg = RunConfig(model="mlp", model_kwargs=mlp, stages=2, no_grad_eval=True,
                         directives=[*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)])
     run_parity(RunConfig(**{**cfg.__dict__, "optimizer": ("SGD", {"lr": 0.002, "momentum": 0.9})}), 2)
+
+
+def test_item_mean_expert_parallel() -> None:
+    """EP2: every rank holds the loss of its own replica; tokens routed across ranks."""
+    run_parity(RunConfig(model="moegpt", model_kwargs={"layers": 2, "experts": 4, "top_k": 2}, local_batch=4,
+                         directives=[piper.split(2), piper.replicate(), piper.shard({"EP": "*"})],
+                         ignored_labels=True), 2)
