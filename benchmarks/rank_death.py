@@ -79,7 +79,8 @@ def worker(strategy: str, point: str, victim: int, timeout: float, pg_timeout: f
     step = torch.compile(model, backend="piper", fullgraph=True, dynamic=True,
                          options={"directives": directives, "codegen": "eager", "timeout": timeout,
                                   "optimizer": functools.partial(torch.optim.AdamW, lr=1e-3)})
-    batch = model.make_batch(8, torch.Generator().manual_seed(rank))
+    replica = {"PP2": 0, "PP2xDP2-ZeRO3": rank // 2}.get(strategy, rank)  # a pipeline's stages share its batch
+    batch = model.make_batch(8, torch.Generator().manual_seed(replica))
     if point == "before" and rank == victim:
         _die()
     step(*batch)  # the first call: capture, plan, process groups, first step
