@@ -75,7 +75,7 @@ def _padded(model: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _hf_worker(rank: int, world: int) -> dict[str, Any]:
-    model = LlamaLoss(hf_loss=True, seed=0)
+    model = LlamaLoss(hf_loss=True, seed=0, num_hidden_layers=2)
     step = piper.compile(model, directives=[piper.replicate(zero=1), piper.split(2)], codegen="eager",
                          optimizer=SGD)
     losses = [step(*(t[4 * rank:4 * rank + 4] for t in _padded(model, s))).item() for s in range(3)]
@@ -85,7 +85,7 @@ def _hf_worker(rank: int, world: int) -> dict[str, Any]:
 def test_transformers_shifted_loss_over_padded_labels() -> None:
     """A Llama's own ``labels=`` loss (pad-and-shift inside transformers), DP2 ZeRO-1 x split(2)."""
     res = run_local(_hf_worker, 2, timeout_s=600)
-    ref = LlamaLoss(hf_loss=True, seed=0)
+    ref = LlamaLoss(hf_loss=True, seed=0, num_hidden_layers=2)
     opt = SGD(ref.parameters())
     want = []
     for s in range(3):
