@@ -57,7 +57,8 @@ def call_check(joint: JointGraph, form: LossForm, args: tuple[Any, ...], ids: tu
     """The call check of this call (``ids``: the model's index, the plan's fingerprint, the call's index;
     a call this rank makes alone has index -1; ``form``: how the loss adds up), started."""
     batch = local_batch(joint, args, layout.microbatches)
-    counts = item_counts(form.items, args, batch, layout.microbatches)
+    holds_loss = ids[2] < 0 or rank in layout.holders  # elsewhere the loss's buffers may be released
+    counts = item_counts(form.items if holds_loss else None, args, batch, layout.microbatches)
     mode = NO_ITEMS if counts is None else ALL_ITEMS if counts.full else SOME_ITEMS
     record = CallRecord(*ids, batch, len(args), forward_only, batch_print(joint, args, layout) if world > 1 else 0,
                         sum(counts.counts) if counts else 0.0, mode)

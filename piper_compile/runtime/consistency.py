@@ -180,13 +180,13 @@ def items_weights(layout: CallLayout, items: list[float], counts: tuple[float, .
     total counted once, though its tensor-parallel ranks all hold the loss)."""
     total = sum(items[h] for h in layout.holders) / layout.tp
     seeds = tuple(c / total if total else float("nan") for c in counts)
-    return Weights(seeds[0], 1.0, seeds, layout.tp)
+    return Weights(seeds[0] if seeds else 0.0, 1.0, seeds, layout.tp)  # no counts: this rank holds no loss
 
 
 def _items_apart(rows: list[CallRecord], holders: tuple[int, ...]) -> bool:
     """Whether the loss's items are not proportional to the samples: some rank dropped labels, or the
     holders' samples carry different numbers of them (replicas padded to different sequence lengths)."""
-    if any(r.item_mode == SOME_ITEMS for r in rows):
+    if any(rows[h].item_mode == SOME_ITEMS for h in holders):
         return True
     held = [rows[h] for h in holders if rows[h].item_mode == ALL_ITEMS and rows[h].batch > 0]
     return any(r.items * held[0].batch != held[0].items * r.batch for r in held[1:])

@@ -117,3 +117,35 @@ def test_item_mean_expert_parallel() -> None:
     run_parity(RunConfig(model="moegpt", model_kwargs={"layers": 2, "experts": 4, "top_k": 2}, local_batch=4,
                          directives=[piper.split(2), piper.replicate(), piper.shard({"EP": "*"})],
                          ignored_labels=True), 2)
+
+
+def _weighted_pp2(rank: int, world: int) -> list[float]:
+    from tests.unit.test_item_losses import Tagger, _batch
+
+    torch.manual_seed(0)
+    model = Tagger("weighted")
+    piper.annotate(model.emb, PP=0)
+    piper.annotate(model.head, PP=1)
+    step = piper.compile(model, directives=[*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)],
+                         codegen="eager", optimizer=SGD)
+    return [step(*_batch(8, s)).item() for s in range(3)]
+
+
+def test_class_weighted_item_mean_pp2() -> None:
+    """Class weights held by the last stage (released on the first): only the ranks holding the loss
+    count its items; both return eager's losses."""
+    from tests.unit.test_item_losses import Tagger, _batch
+
+    res = run_local(_weighted_pp2, 2, timeout_s=300)
+    torch.manual_seed(0)
+    ref = Tagger("weighted")
+    opt = SGD(ref.parameters())
+    want = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = ref(*_batch(8, s))
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for r in res:
+        assert r == pytest.approx(want, rel=1e-5)
