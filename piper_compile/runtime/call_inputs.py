@@ -30,22 +30,24 @@ def batch_print(joint: JointGraph, args: tuple[Any, ...], layout: CallLayout) ->
     return batch_fingerprint([args[s.arg_index] for s in joint.inputs if s.kind == INPUT and s.arg_index is not None])
 
 
-def item_counts(items: ItemCount | None, args: tuple[Any, ...], batch: int, m: int) -> MicroCounts | None:
+def item_counts(items: ItemCount | None, args: tuple[Any, ...], batch: int, layout: CallLayout) -> MicroCounts | None:
     """The loss's item weights per micro-batch, where it is a mean over items and the batch splits. A
     loss with such a mean as one term only is weighed by samples, with a warning (once) when its labels
-    are not all kept: the step then differs from single-device training on the global batch."""
+    are not all kept and the batch is cut: the step then differs from single-device training."""
+    m = layout.microbatches
     if items is None or batch <= 0 or batch % m:
         return None
     counts = items.counts(args, m, batch // m)
     if items.exact:
         return counts
-    if not counts.full and id(items) not in _WARNED:
+    cut = m > 1 or len(set(layout.replica)) > 1
+    if cut and not counts.full and id(items) not in _WARNED:
         _WARNED.add(id(items))
         warnings.warn(
             "piper: the loss adds other terms to a cross-entropy whose labels are not all kept (ignore_index, "
             "class weights); micro-batches and replicas weigh it by their samples, not by their labels, so "
             "the step differs from single-device training on the global batch. For an exact step, return the "
-            "cross-entropy alone, or split into micro-batches with equal label counts.", stacklevel=5)
+            "cross-entropy alone, or give every micro-batch as many labels kept.", stacklevel=5)
     return None
 
 
@@ -58,7 +60,7 @@ def call_check(joint: JointGraph, form: LossForm, args: tuple[Any, ...], ids: tu
     a call this rank makes alone has index -1; ``form``: how the loss adds up), started."""
     batch = local_batch(joint, args, layout.microbatches)
     holds_loss = ids[2] < 0 or rank in layout.holders  # elsewhere the loss's buffers may be released
-    counts = item_counts(form.items if holds_loss else None, args, batch, layout.microbatches)
+    counts = item_counts(form.items if holds_loss else None, args, batch, layout)
     mode = NO_ITEMS if counts is None else ALL_ITEMS if counts.full else SOME_ITEMS
     record = CallRecord(*ids, batch, len(args), forward_only, batch_print(joint, args, layout) if world > 1 else 0,
                         sum(counts.counts) if counts else 0.0, mode)
