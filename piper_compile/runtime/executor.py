@@ -27,7 +27,7 @@ from piper_compile.plan.reorder import needs, still_read
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.host_heap import keep_host_heap
 from piper_compile.runtime.state import TrainState
-from piper_compile.runtime.step import Pending, Step, StepStats, split_mb
+from piper_compile.runtime.step import Pending, Step, StepStats
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import tensor_bytes as _nbytes
 
@@ -262,7 +262,7 @@ class Executor:
         self.stats.compute += 1
         loss = getattr(n.op, "loss", None)
         if loss:
-            weight = step.weights().loss_weight(split_mb(loss)[1])
+            weight = step.weights().loss_weight(step.mb)  # the micro-batch the tangent seed was read for
             if weight is None:
                 step.loss_sum.add_(step.env[loss].detach())
             elif weight:  # a micro-batch without items adds nothing (its own mean is 0/0)
