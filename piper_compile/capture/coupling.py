@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from piper_compile.capture.decompose import batch_problem
 from piper_compile.capture.joint import JointGraph, describe_op, has_batch
 from piper_compile.errors import PiperError
 
@@ -34,10 +35,12 @@ def find_batch_coupling(gm: fx.GraphModule, batch_symbols: frozenset[Any]) -> st
 
 
 def refuse_coupling(joint: JointGraph, layout: Callable[[], Any]) -> None:
-    """Raise where an op relates the batch's samples to each other and the plan cuts the batch (its
-    ``CallLayout``, made only then: more than one micro-batch or data-parallel replica)."""
+    """Raise where the step does not add up over pieces of the batch -- an op relates the batch's samples
+    to each other, or the loss is not a sum or mean over them (``capture/decompose.py``) -- and the plan
+    cuts the batch (its ``CallLayout``, made only then: more than one micro-batch or data-parallel replica)."""
     op = find_batch_coupling(joint.dynamo_gm, joint.batch_symbols)
-    if op is None:
+    problem = batch_problem(joint) if op is None else None
+    if op is None and problem is None:
         return
     cuts = layout()
     microbatches, replicas = cuts.microbatches, len(set(cuts.replica))
@@ -45,10 +48,11 @@ def refuse_coupling(joint: JointGraph, layout: Callable[[], Any]) -> None:
         return
     cut = " and ".join(([f"{microbatches} micro-batches"] if microbatches > 1 else []) +
                        ([f"{replicas} data-parallel replicas"] if replicas > 1 else []))
+    what = (f"the forward relates samples of the batch to each other at {op} (a result with the batch "
+            "dimension twice, e.g. the in-batch negatives of a contrastive loss)") if op is not None else \
+        f"the step does not add up over pieces of the batch: at {problem}"
     raise PiperError(
-        f"piper: the forward relates samples of the batch to each other at {op} (a result with the batch "
-        f"dimension twice, e.g. the in-batch negatives of a contrastive loss), but this plan cuts the batch into "
-        f"{cut}: each piece would see only its own samples, so the step would differ from single-device "
-        "training on the global batch. Train this model with one micro-batch on one replica, or pass "
-        "options['local_batch_ops'] = True to accept that each micro-batch and replica computes it over its "
-        "own samples (as DDP would).")
+        f"piper: {what}. This plan cuts the batch into {cut}, and each piece would see only its own samples, "
+        "so the step would differ from single-device training on the global batch. Train this model with one "
+        "micro-batch on one replica, or pass options['local_batch_ops'] = True to accept that each micro-batch "
+        "and replica computes it over its own samples (as DDP would).")

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from piper_compile.capture.joint import BUFFER, INPUT, SYM, InputSpec, JointGraph, has_batch
+from piper_compile.capture.decompose import SUM, ancestors, batch_terms
+from piper_compile.capture.joint import BUFFER, INPUT, SYM, InputSpec, JointGraph
 
 aten = torch.ops.aten
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
@@ -92,42 +93,10 @@ def loss_form(joint: JointGraph) -> LossForm:
     return LossForm(find_item_count(joint), is_sum_over_batch(joint))
 
 
-# losses with a ``reduction`` argument (0 none, 1 mean, 2 sum), by its position
-_REDUCTION_ARG = {aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
-                  aten.kl_div.default: 2, aten.soft_margin_loss.default: 2, aten.binary_cross_entropy.default: 3,
-                  aten.binary_cross_entropy_with_logits.default: 4}
-_SUM = 2
-
-
 def is_sum_over_batch(joint: JointGraph) -> bool:
-    """Whether the loss is a sum over a batched value (times constants): ``reduction="sum"``, ``x.sum()``."""
-    n = next((n for n in joint.gm.graph.nodes if n.name == joint.loss), None)
-    while isinstance(n, fx.Node) and n.target in (aten.mul.Tensor, aten.div.Tensor) \
-            and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool):
-        n = n.args[0]
-    if not isinstance(n, fx.Node):
-        return False
-    if n.target is operator.getitem and n.args[1] == 0 and isinstance(n.args[0], fx.Node) and n.args[0].target in _NLL:
-        src, reduction = n.args[0].args[0], n.args[0].args[3]
-    elif n.target in _REDUCTION_ARG:
-        k = _REDUCTION_ARG[n.target]
-        src, reduction = n.args[0], n.args[k] if len(n.args) > k else n.kwargs.get("reduction", 1)
-    elif n.target is aten.sum.default or (n.target is aten.sum.dim_IntList and not _keeps(n)):
-        src, reduction = n.args[0], _SUM
-    else:
-        return False
-    val = src.meta.get("val") if isinstance(src, fx.Node) else None
-    return reduction == _SUM and isinstance(val, torch.Tensor) and \
-        any(has_batch(size, joint.batch_symbols) for size in val.shape)
-
-
-def _keeps(n: fx.Node) -> bool:
-    """A ``sum.dim_IntList`` that keeps some dimension (not the whole sum)."""
-    val, dims = n.args[0].meta.get("val"), n.args[1]  # type: ignore[union-attr]
-    keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-    if not dims:  # None or []: every dimension
-        return bool(keepdim)
-    return bool(keepdim) or val is None or len({d % val.dim() for d in dims}) < val.dim()
+    """Whether the loss is a sum over the batch (times constants): ``reduction="sum"``, ``x.sum()``, a sum
+    divided by a count passed in as an input (``capture/decompose.py`` tells the terms apart)."""
+    return batch_terms(joint).form == SUM
 
 
 def _mean_nll(n: Any) -> bool:
@@ -144,29 +113,18 @@ def find_item_count(joint: JointGraph) -> ItemCount | None:
     if loss is None:
         return None
     exact = loss.target is operator.getitem and loss.args[1] == 0 and _mean_nll(loss.args[0])
-    nll = loss.args[0] if exact else next((n for n in _ancestors([loss]) if _mean_nll(n)), None)
+    nll = loss.args[0] if exact else next((n for n in ancestors([loss]) if _mean_nll(n)), None)
     if nll is None:
         return None
     target, weight, ignore_index = nll.args[1], nll.args[2], int(nll.args[4])
     roots = [a for a in (target, weight) if isinstance(a, fx.Node)]
-    needed = _ancestors(roots)
+    needed = ancestors(roots)
     specs = [joint.spec(joint.value_of.get(n.name, "")) for n in g.nodes if n in needed and n.op == "placeholder"]
     if any(n.op == "get_attr" for n in needed) or \
             any(s is None or s.kind not in _LEAVES or s.arg_index is None for s in specs):
         return None
     return ItemCount(_subgraph(g, needed, roots, weight is not None), tuple(s for s in specs if s), ignore_index,
                      exact)
-
-
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = list(roots)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
 
 
 def _subgraph(g: fx.Graph, needed: set[fx.Node], roots: list[fx.Node], weighted: bool) -> fx.GraphModule:

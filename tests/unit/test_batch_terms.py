@@ -1,0 +1,148 @@
+"""Steps that do not add up over pieces of the batch (``capture/decompose.py``): each is refused where the
+plan cuts the batch, naming the op, the user's line and the rule; runs as eager where nothing is cut; and
+runs per piece where the user accepts that meaning (``options["local_batch_ops"]``). Losses that do add
+up -- sums and means, a sum divided by a count passed in, means plus a term without the batch -- train as
+eager with micro-batches. Before, every refused model here returned a plausible, different loss."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import piper_compile as piper
+from piper_compile.api import capture_step
+from piper_compile.capture.decompose import MEAN, SUM, batch_terms
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+class Net(nn.Module):
+    """Two linear layers; ``kind`` picks what the forward does with the batch."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b, self.kind = nn.Linear(8, 16), nn.Linear(16, 4), kind
+        self.bn = nn.BatchNorm1d(16, track_running_stats=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+        h, k = self.a(x), self.kind
+        h = {"batchnorm": lambda: self.bn(h), "center": lambda: h - h.mean(0),
+             "softmax": lambda: h * F.softmax(h, dim=0), "cumsum": lambda: h.cumsum(0)}.get(k, lambda: h)()
+        o = self.b(torch.relu(h))
+        mask = (y[:, 0] > -1).float()
+        return {
+            "masked": lambda: ((o - y).pow(2).mean(-1) * mask).sum() / mask.sum(),
+            "product": lambda: F.mse_loss(o, y) + o.mean() * h.mean(),
+            "sum_and_mean": lambda: F.mse_loss(o, y, reduction="sum") + o.pow(2).mean(),
+            "sum_and_const": lambda: F.mse_loss(o, y, reduction="sum") + self.a.weight.pow(2).sum(),
+            "variance": lambda: F.mse_loss(o, y) + o.var(0).sum(),
+            "sqrt": lambda: F.mse_loss(o, y).sqrt(),
+            "top_k": lambda: (o - y).pow(2).mean(-1).topk(2).values.mean(),
+            "sum_by_count": lambda: F.mse_loss(o, y, reduction="sum") / count,
+            "sums": lambda: (o - y).pow(2).sum() + 0.5 * (o - y).abs().sum() * 2,
+            "mean_and_const": lambda: F.mse_loss(o, y) + 0.1 * self.a.weight.pow(2).sum(),
+            "sum_over_batch_size": lambda: (o - y).pow(2).sum() / x.shape[0],
+        }.get(k, lambda: F.mse_loss(o, y))()
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+
+
+REFUSED = {
+    "batchnorm": ("_native_batch_norm_legit", "self.bn(h)", "together with a statistic over the batch"),
+    "center": ("sub.Tensor", "h - h.mean(0)", "combines per-sample values with a statistic"),
+    "softmax": ("_softmax", "F.softmax(h, dim=0)", "mixes samples along the batch dimension"),
+    "cumsum": ("cumsum", "h.cumsum(0)", "mixes samples along the batch dimension"),
+    "masked": ("div.Tensor", "mask.sum()", "divides a sum by a count taken from the batch"),
+    "product": ("mul.Tensor", "o.mean() * h.mean()", "non-linear function"),
+    "sqrt": ("sqrt", ".sqrt()", "non-linear function"),
+    "variance": ("var", "o.var(0)", "not a sum or a mean over its samples"),
+    "top_k": ("topk", "topk(2)", "not a sum or a mean over its samples"),
+    "sum_and_mean": ("add.Tensor", "reduction=\"sum\") + o.pow(2).mean()", "adds a sum over the batch and a mean"),
+    "sum_and_const": ("add.Tensor", "self.a.weight.pow(2).sum()", "adds a sum over the batch and a term without"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED))
+def test_a_step_that_does_not_add_up_is_refused_where_the_batch_is_cut(kind: str) -> None:
+    op, line, rule = REFUSED[kind]
+    torch.manual_seed(0)
+    step = piper.compile(Net(kind), directives=[piper.split(2)], codegen="eager", optimizer=SGD)
+    with pytest.raises(piper.PiperError) as err:
+        step(*_batch(0))
+    msg = str(err.value)
+    assert msg.startswith("piper: the step does not add up over pieces of the batch: at ") and op in msg \
+        and line in msg and rule in msg and "into 2 micro-batches" in msg and "local_batch_ops" in msg, msg
+
+
+def test_data_parallel_plans_are_refused_too() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(piper.PiperError, match="h - h.mean.*into 2 data-parallel replicas"):
+        piper.plan(Net("center"), *_batch(0), directives=[piper.replicate()], world_size=2)
+
+
+def _eager(model: nn.Module, pieces: int, steps: int = 2, **kw: torch.Tensor) -> list[float]:
+    """Eager SGD where each step's loss is the mean of its ``pieces`` equal pieces' own losses."""
+    opt = SGD(model.parameters())
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = sum(model(*(t.chunk(pieces)[k] for t in _batch(s)), **kw) for k in range(pieces)) / pieces
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["center", "product", "masked"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_whole_batch_exact_and_local_meaning_on_request(kind: str, split: int) -> None:
+    """One micro-batch: eager's step (nothing is cut). split(2) with local_batch_ops: each half's own
+    value, averaged -- what DDP computes."""
+    torch.manual_seed(0)
+    model = Net(kind)
+    ref = copy.deepcopy(model)
+    step = piper.compile(model, directives=[piper.split(split)], codegen="eager", optimizer=SGD,
+                         local_batch_ops=split > 1)
+    got = [step(*_batch(s)).item() for s in range(2)]
+    assert got == pytest.approx(_eager(ref, split), rel=1e-5)
+
+
+def _form(kind: str) -> str | None:
+    torch.manual_seed(0)
+    x, y = _batch(0)
+    extra = (torch.tensor(8.0),) if kind == "sum_by_count" else ()
+    step = capture_step(Net(kind), x, y, *extra, directives=[], world_size=1)
+    step._capture()
+    terms = batch_terms(step.joint)
+    assert terms.problem is None
+    return terms.form
+
+
+@pytest.mark.parametrize("kind,form", [("plain", MEAN), ("mean_and_const", MEAN), ("sum_over_batch_size", MEAN),
+                                       ("sums", SUM), ("sum_by_count", SUM)])
+def test_what_adds_up_is_told_apart(kind: str, form: str) -> None:
+    assert _form(kind) == form
+
+
+@pytest.mark.parametrize("kind", ["sum_by_count", "sums", "mean_and_const", "sum_over_batch_size"])
+def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
+    """``sum / count`` with the count passed in (transformers' ``num_items_in_batch``): each piece's sum over
+    the global count adds up. Before, it was weighed as a mean: its loss and gradients a quarter of eager's."""
+    torch.manual_seed(0)
+    model = Net(kind)
+    ref = copy.deepcopy(model)
+    count = torch.tensor(32.0)
+    step = piper.compile(model, directives=[piper.split(4)], codegen="eager", optimizer=SGD)
+    extra = (count,) if kind == "sum_by_count" else ()
+    got = [step(*_batch(s), *extra).item() for s in range(3)]
+    kw = {"count": count} if kind == "sum_by_count" else {}
+    assert got == pytest.approx(_eager(ref, 1, steps=3, **kw), rel=1e-5)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
