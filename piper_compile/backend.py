@@ -46,7 +46,7 @@ from piper_compile.plan.program import Program, build_programs
 from piper_compile.plan.residency import Reads
 from piper_compile.plan.verifier import verify_programs
 from piper_compile.capture.coupling import refuse_coupling
-from piper_compile.capture.items import LossForm, loss_form
+from piper_compile.capture.items import LossForm, guard_empty_counts, loss_form
 from piper_compile.runtime.call_inputs import call_check
 from piper_compile.runtime.consistency import CallCheck, CallLayout, call_layout, fingerprint, local_calls, post_failure
 from piper_compile.runtime import graph as step_graph
@@ -191,6 +191,7 @@ class CompiledStep:
         fakes = self._graph_passes()
         try:
             self.joint = capture_joint(self.gm, self.example_inputs, self.sources, fakes)
+            guard_empty_counts(self.joint)
             for s in self.joint.inputs:
                 s.cast_to = cast.get(s.arg_index) if s.kind == INPUT else None
         except PiperError as e:

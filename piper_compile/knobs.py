@@ -76,8 +76,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PIPER_CUDA_GRAPH", "flag", False, "default of options['cuda_graph']: on one GPU, replay the whole "
          "training step as one CUDA graph"),
     Knob("PIPER_LOCAL_BATCH_OPS", "flag", False, "default of options['local_batch_ops']: ops relating samples "
-         "of the batch to each other (in-batch negatives) see each micro-batch's and replica's own samples "
-         "instead of being refused where the batch is cut"),
+         "of the batch to each other (in-batch negatives, batch statistics) and losses that are not sums or "
+         "means over it see each micro-batch's and replica's own samples instead of being refused where the "
+         "batch is cut"),
     Knob("PIPER_REORDER_WINDOW", "int", 8, "default of options['reorder_window']: how many compute steps "
          "ahead the runtime may run while a step waits for its input; 0 keeps program order except for "
          "overlap slots"),

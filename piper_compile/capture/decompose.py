@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
-from piper_compile.capture.joint import INPUT, JointGraph, describe_op, has_batch
+from piper_compile.capture.joint import BUFFER, INPUT, SYM, JointGraph, describe_op, has_batch
 
 aten = torch.ops.aten
 
@@ -67,7 +67,9 @@ class _Facts:
     batched: bool  # a tensor output holds the batch dimension
     data: bool  # computed from the batch's samples (a batched input's values)
     reduced: bool  # computed from the samples with a float output that lost the batch dimension
+    known: bool = True  # known before the step runs: computed from inputs, buffers and sizes only
     form: str | None = None  # for a reduced value on the way to the loss: how it adds up over pieces
+    count: fx.Node | None = None  # this value is ``sum / count`` (times constants), ``count`` known up front
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class BatchTerms:
 
     problem: str | None
     form: str | None
+    count: str | None = None  # the loss is ``sum / count`` (a masked mean), ``count`` this joint node's name
 
 
 _SEEN: weakref.WeakKeyDictionary[fx.GraphModule, BatchTerms] = weakref.WeakKeyDictionary()
@@ -104,7 +107,8 @@ def _walk(joint: JointGraph) -> BatchTerms:
             found = _term(node, f, facts, symbols)
         if found is not None and problem is None:
             problem = f"{describe_op(node, None)}, {found}"
-    return BatchTerms(problem, facts[loss].form if loss in facts else None)
+    last = facts.get(loss)
+    return BatchTerms(problem, last.form if last else None, last.count.name if last and last.count else None)
 
 
 def batch_problem(joint: JointGraph) -> str | None:
@@ -132,7 +136,7 @@ def _forward(joint: JointGraph) -> Iterator[fx.Node]:
         tangent = node.op == "placeholder" and node.name.startswith("tangents")
         if tangent or any(a in backward for a in node.all_input_nodes):
             backward.add(node)
-        elif node.op in ("placeholder", "call_function"):
+        elif node.op in ("placeholder", "call_function", "get_attr"):
             yield node
 
 
@@ -147,13 +151,15 @@ def _tensors(val: Any) -> list[torch.Tensor]:
 def _facts(node: fx.Node, joint: JointGraph, facts: dict[fx.Node, _Facts], symbols: frozenset[Any]) -> _Facts:
     tensors = _tensors(node.meta.get("val"))
     batched = any(any(has_batch(s, symbols) for s in t.shape) for t in tensors)
-    if node.op == "placeholder":
-        spec = joint.spec(joint.value_of.get(node.name, ""))
-        return _Facts(batched, bool(spec is not None and spec.kind == INPUT and spec.batched), False)
-    data = any(facts[a].data for a in node.all_input_nodes if a in facts)
+    if node.op in ("placeholder", "get_attr"):
+        spec = joint.spec(joint.value_of.get(node.name, "")) if node.op == "placeholder" else None
+        return _Facts(batched, bool(spec is not None and spec.kind == INPUT and spec.batched), False,
+                      spec is not None and spec.kind in (INPUT, BUFFER, SYM))
+    inputs = [facts[a] for a in node.all_input_nodes if a in facts]
+    data = any(f.data for f in inputs)
     reduced = data and any(t.is_floating_point() and not any(has_batch(s, symbols) for s in t.shape)
                            and 0 not in [s for s in t.shape if isinstance(s, int)] for t in tensors)
-    return _Facts(batched, data, reduced)
+    return _Facts(batched, data, reduced, all(f.known for f in inputs))
 
 
 def _mixes(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: frozenset[Any]) -> str | None:
@@ -195,8 +201,11 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
     if any(facts[a].batched for a in data_in):
         return "it combines per-sample values with a statistic over the batch's samples"
     if node.target in _LINEAR_UNARY and len(data_in) == 1:
-        f.form = facts[data_in[0]].form
+        f.form, f.count = facts[data_in[0]].form, facts[data_in[0]].count
         return None
+    if node.target in _ADDS and any(facts[a].count is not None for a in data_in):
+        return ("the loss adds other terms to a sum divided by a count taken from the batch (a masked mean "
+                "written by hand): one weight per piece cannot weigh both as the global batch would")
     if node.target in _ADDS:
         constant = sum(isinstance(a, fx.Node) and a in facts and facts[a].data for a in node.args[:2]) < 2
         forms = {facts[a].form for a in data_in} | ({CONST} if constant else set())
@@ -204,12 +213,23 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
         return problem
     if node.target in _SCALES and len(data_in) == 1:
         return _scale(node, f, data_in[0], facts, symbols)
-    if node.target in (aten.div.Tensor, aten.div.Scalar):
-        return ("the loss divides a sum by a count taken from the batch (a masked mean written by hand), and "
-                "each piece would divide by its own count (F.cross_entropy(..., ignore_index=...) is a label mean "
-                "piper weighs exactly; a count passed in as an input of the call is a constant)")
+    if node.target is aten.div.Tensor:
+        return _ratio(node, f, facts)
     return ("the loss applies a non-linear function to a sum or mean over the batch (a product of two such "
             "values, a power, a square root), which is not the weighted sum of its pieces' values")
+
+
+def _ratio(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts]) -> str | None:
+    """``sum / count`` with the count a sum known before the step (``(loss * mask).sum() / mask.sum()``): a
+    mean over items, each piece weighed by its count's share (``capture/items.py``)."""
+    num, den = node.args[0], node.args[1]
+    if isinstance(num, fx.Node) and isinstance(den, fx.Node) and facts[num].form == SUM and \
+            facts[den].form == SUM and facts[den].known and facts[num].count is None:
+        f.form, f.count = ITEMS, den
+        return None
+    return ("the loss divides a sum over the batch by a value computed from the batch that is not a count "
+            "known before the step (a sum of inputs, as in `(loss * mask).sum() / mask.sum()`), which is not the "
+            "weighted sum of its pieces' values")
 
 
 def _reduction_form(node: fx.Node) -> str | None:
@@ -253,7 +273,7 @@ def _scale(node: fx.Node, f: _Facts, term: fx.Node, facts: dict[fx.Node, _Facts]
     size = factor.meta.get("val") if isinstance(factor, fx.Node) else factor
     form = facts[term].form
     if not (isinstance(size, torch.SymInt) and has_batch(size, symbols)):
-        f.form = form
+        f.form, f.count = form, facts[term].count
     elif form == SUM and divide:
         f.form = MEAN  # ``x.sum() / x.shape[0]``
     elif form == MEAN and not divide:

@@ -48,26 +48,32 @@ class ItemCount:
 
     gm: fx.GraphModule  # the joint graph's ops from ``reads`` to (target, class weights or None)
     reads: tuple[InputSpec, ...]
-    ignore_index: int
+    ignore_index: int | None  # None: ``gm`` returns (the count itself, None) -- a hand-written masked mean
     exact: bool = True  # the loss is this mean itself (else one term of it: ``find_item_count``)
 
     def counts(self, args: tuple[Any, ...], m: int, mb_size: int) -> MicroCounts:
         """The ``m`` micro-batches' total weights of this call's ``args`` (one host sync)."""
         totals: list[torch.Tensor] = []
         dropped: list[torch.Tensor] = []
-        weighted = False
         for k in range(m):
             target, weight = self.gm(*[_value(s, args, k, mb_size) for s in self.reads])
-            kept = target != self.ignore_index
-            dropped.append((~kept).sum())
-            if weight is None:
-                totals.append(kept.sum().double())
-            else:
-                weighted = True
-                picked = weight.detach()[target.clamp(min=0, max=weight.numel() - 1)]
-                totals.append(torch.where(kept, picked, torch.zeros_like(picked)).double().sum())
-        host = torch.stack(totals + [torch.stack(dropped).sum().double()]).tolist()
-        return MicroCounts(tuple(host[:m]), not weighted and host[m] == 0)
+            total, lost = _total(target, weight, self.ignore_index)
+            totals.append(total)
+            dropped.append(lost)
+        host = torch.stack(totals + [torch.stack(dropped).sum()]).tolist()
+        return MicroCounts(tuple(host[:m]), host[m] == 0)
+
+
+def _total(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's total item weight, and a positive number where its items are not proportional to
+    its samples (labels dropped, class weights, or a count of the user's own)."""
+    if ignore_index is None:
+        return target.detach().double().sum(), torch.ones((), dtype=torch.float64)
+    kept = target != ignore_index
+    if weight is None:
+        return kept.sum().double(), (~kept).sum().double()
+    picked = weight.detach()[target.clamp(min=0, max=weight.numel() - 1)]
+    return torch.where(kept, picked, torch.zeros_like(picked)).double().sum(), torch.ones((), dtype=torch.float64)
 
 
 def _value(spec: InputSpec, args: tuple[Any, ...], k: int, mb_size: int) -> Any:
@@ -112,19 +118,27 @@ def find_item_count(joint: JointGraph) -> ItemCount | None:
     loss = next((n for n in g.nodes if n.name == joint.loss), None)
     if loss is None:
         return None
+    count = batch_terms(joint).count
+    if count is not None:
+        return _counted(joint, [next(n for n in g.nodes if n.name == count)], None, True)
     exact = loss.target is operator.getitem and loss.args[1] == 0 and _mean_nll(loss.args[0])
     nll = loss.args[0] if exact else next((n for n in ancestors([loss]) if _mean_nll(n)), None)
     if nll is None:
         return None
-    target, weight, ignore_index = nll.args[1], nll.args[2], int(nll.args[4])
-    roots = [a for a in (target, weight) if isinstance(a, fx.Node)]
+    target, weight = nll.args[1], nll.args[2]
+    return _counted(joint, [a for a in (target, weight) if isinstance(a, fx.Node)], int(nll.args[4]), exact)
+
+
+def _counted(joint: JointGraph, roots: list[fx.Node], ignore_index: int | None, exact: bool) -> ItemCount | None:
+    """The ``ItemCount`` replaying the joint graph's ops from its inputs to ``roots``; None where they read
+    anything but inputs, buffers and sizes."""
+    g = joint.gm.graph
     needed = ancestors(roots)
     specs = [joint.spec(joint.value_of.get(n.name, "")) for n in g.nodes if n in needed and n.op == "placeholder"]
     if any(n.op == "get_attr" for n in needed) or \
             any(s is None or s.kind not in _LEAVES or s.arg_index is None for s in specs):
         return None
-    return ItemCount(_subgraph(g, needed, roots, weight is not None), tuple(s for s in specs if s), ignore_index,
-                     exact)
+    return ItemCount(_subgraph(g, needed, roots, len(roots) > 1), tuple(s for s in specs if s), ignore_index, exact)
 
 
 def _subgraph(g: fx.Graph, needed: set[fx.Node], roots: list[fx.Node], weighted: bool) -> fx.GraphModule:
@@ -137,3 +151,27 @@ def _subgraph(g: fx.Graph, needed: set[fx.Node], roots: list[fx.Node], weighted:
     outs = [env[r] for r in roots]
     sub.output((outs[0], outs[1] if weighted else None))
     return fx.GraphModule(torch.nn.Module(), sub)
+
+
+def guard_empty_counts(joint: JointGraph) -> None:
+    """Where the loss is a hand-written masked mean (``sum / count``), divide by 1 where a piece's count is
+    0: such a piece weighs 0 in the step (its share of the global count), but ``0 / 0`` in its forward would
+    put NaN into its gradients through the seed (``0 * inf``). Pieces with items, and a whole batch with
+    items, compute exactly as written; a step whose global count is 0 still gives NaN, as eager does."""
+    name = batch_terms(joint).count
+    if name is None:
+        return
+    g = joint.gm.graph
+    count = next(n for n in g.nodes if n.name == name)
+    val = count.meta["val"]
+    with g.inserting_after(count):
+        empty = g.call_function(aten.eq.Scalar, (count, 0))
+    with g.inserting_after(empty):
+        safe = g.call_function(aten.where.ScalarSelf, (empty, 1, count))
+    with val.fake_mode:
+        empty.meta["val"] = val == 0
+        safe.meta["val"] = torch.where(empty.meta["val"], 1, val)
+    for n in (empty, safe):
+        n.meta["stack_trace"] = count.meta.get("stack_trace")
+    count.replace_all_uses_with(safe, delete_user_cb=lambda user: user not in (empty, safe))
+    joint.gm.recompile()

@@ -86,8 +86,9 @@ class MoE(nn.Module):
     """Top-k mixture of SwiGLU experts (Mixtral / Qwen-MoE style): softmax router, the top ``k`` experts
     per token, their outputs weighted by the renormalised router probabilities.
 
-    ``forward(x [..., D]) -> [..., D]``. ``self.aux_loss`` holds the last call's load-balancing loss
-    (Switch-style, ``E * sum(fraction_routed * mean_prob)``) for models that add it to their loss."""
+    ``forward(x [..., D]) -> [..., D]``. No load-balancing loss: a Switch-style one (``E * sum(fraction_routed
+    * mean_prob)`` over the batch's tokens) is a product of two batch means, which micro-batches cannot add
+    up, so piper refuses it where the batch is cut (``capture/decompose.py``) unless ``local_batch_ops``."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int = 2) -> None:
         super().__init__()

@@ -149,3 +149,53 @@ def test_class_weighted_item_mean_pp2() -> None:
         want.append(loss.item())
     for r in res:
         assert r == pytest.approx(want, rel=1e-5)
+
+
+def _masked_batch(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from tests.unit.test_batch_terms import _batch
+
+    x, y = _batch(s)
+    if s == 0:
+        y[:2, 0] = -5.0  # rows 0-1 keep nothing: a micro-batch without items on rank 0 / stage input
+    return x, y
+
+
+def _masked_worker(rank: int, world: int, case: str) -> dict[str, Any]:
+    from tests.unit.test_batch_terms import Net
+
+    torch.manual_seed(0)
+    model = Net("masked")
+    if case == "pp2_1f1b":
+        piper.annotate(model.a, PP=0)
+        piper.annotate(model.b, PP=1)
+        directives = [*piper.pipeline(2), piper.split(4), *piper.schedules.one_f_one_b(2, 4)]
+    else:
+        directives = [piper.replicate(zero=1), piper.split(2)]
+    step = piper.compile(model, directives=directives, codegen="eager", optimizer=SGD)
+    rows = slice(None) if case == "pp2_1f1b" else slice(4 * rank, 4 * rank + 4)
+    losses = [step(*(t[rows] for t in _masked_batch(s))).item() for s in range(3)]
+    return {"losses": losses, "params": piper.trained_parameters(step)}
+
+
+@pytest.mark.parametrize("case", ["dp2_split2_zero1", "pp2_1f1b"])
+def test_hand_written_masked_mean(case: str) -> None:
+    """``(loss * mask).sum() / mask.sum()`` (``capture/decompose.py``): every piece weighs its count's share
+    of the global count; a micro-batch that keeps no row weighs nothing and puts no NaN anywhere."""
+    from tests.unit.test_batch_terms import Net
+
+    res = run_local(_masked_worker, 2, case, timeout_s=300)
+    torch.manual_seed(0)
+    ref = Net("masked")
+    opt = SGD(ref.parameters())
+    want = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = ref(*_masked_batch(s))
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for r in res:
+        assert r["losses"] == pytest.approx(want, rel=1e-5)
+    trained = {**res[0]["params"], **res[1]["params"]}  # a pipeline stage holds its own layer
+    for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
+        torch.testing.assert_close(trained[name], ref.get_parameter(name).detach(), rtol=1e-5, atol=1e-6)

@@ -36,6 +36,8 @@ class Net(nn.Module):
         mask = (y[:, 0] > -1).float()
         return {
             "masked": lambda: ((o - y).pow(2).mean(-1) * mask).sum() / mask.sum(),
+            "masked_by_output": lambda: (o - y).pow(2).mean(-1).sum() / (o[:, 0] > 0).float().sum(),
+            "masked_plus": lambda: ((o - y).pow(2).mean(-1) * mask).sum() / mask.sum() + o.pow(2).mean(),
             "product": lambda: F.mse_loss(o, y) + o.mean() * h.mean(),
             "sum_and_mean": lambda: F.mse_loss(o, y, reduction="sum") + o.pow(2).mean(),
             "sum_and_const": lambda: F.mse_loss(o, y, reduction="sum") + self.a.weight.pow(2).sum(),
@@ -59,7 +61,8 @@ REFUSED = {
     "center": ("sub.Tensor", "h - h.mean(0)", "combines per-sample values with a statistic"),
     "softmax": ("_softmax", "F.softmax(h, dim=0)", "mixes samples along the batch dimension"),
     "cumsum": ("cumsum", "h.cumsum(0)", "mixes samples along the batch dimension"),
-    "masked": ("div.Tensor", "mask.sum()", "divides a sum by a count taken from the batch"),
+    "masked_by_output": ("div.Tensor", "(o[:, 0] > 0)", "not a count known before the step"),
+    "masked_plus": ("add.Tensor", "mask.sum() + o.pow(2).mean()", "adds other terms to a sum divided by a count"),
     "product": ("mul.Tensor", "o.mean() * h.mean()", "non-linear function"),
     "sqrt": ("sqrt", ".sqrt()", "non-linear function"),
     "variance": ("var", "o.var(0)", "not a sum or a mean over its samples"),
@@ -100,7 +103,7 @@ def _eager(model: nn.Module, pieces: int, steps: int = 2, **kw: torch.Tensor) ->
     return losses
 
 
-@pytest.mark.parametrize("kind", ["center", "product", "masked"])
+@pytest.mark.parametrize("kind", ["center", "product", "masked_plus"])
 @pytest.mark.parametrize("split", [1, 2])
 def test_whole_batch_exact_and_local_meaning_on_request(kind: str, split: int) -> None:
     """One micro-batch: eager's step (nothing is cut). split(2) with local_batch_ops: each half's own
@@ -146,3 +149,53 @@ def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
     assert got == pytest.approx(_eager(ref, 1, steps=3, **kw), rel=1e-5)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_hand_written_masked_mean_trains_as_eager_even_with_an_empty_micro_batch() -> None:
+    """``(loss * mask).sum() / mask.sum()``: each micro-batch weighs its count's share of the global count
+    (``capture/items.py``). Micro-batch 0 of step 0 has no kept rows: it weighs nothing, and its ``0 / 0``
+    divides by 1 instead, so no NaN reaches the gradients. Before: refused; before that, a plausible wrong
+    loss (micro-batch means averaged) or NaN."""
+    torch.manual_seed(0)
+    model = Net("masked")
+    ref = copy.deepcopy(model)
+    step = piper.compile(model, directives=[piper.split(4)], codegen="eager", optimizer=SGD)
+    opt = SGD(ref.parameters())
+    for s in range(3):
+        x, y = _batch(s)
+        if s == 0:
+            y[:2, 0] = -5.0  # micro-batch 0 keeps no row
+        got = step(x, y).item()
+        opt.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        opt.step()
+        assert got == pytest.approx(want.item(), rel=1e-5)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+class RouterLossQwen(nn.Module):
+    """transformers' Qwen3-MoE with its router load-balancing loss added (``output_router_logits``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from piper_compile.testing.hf import build_qwen3_moe
+
+        self.model = build_qwen3_moe(seed=0, output_router_logits=True, num_hidden_layers=1)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_a_routers_load_balancing_loss_over_the_batch_is_refused_where_the_batch_is_cut() -> None:
+    """Switch-style ``E * sum(tokens_per_expert * mean_router_prob)`` over the whole batch is a product of
+    two batch means; each micro-batch's own would be a different number."""
+    from piper_compile.testing.hf import make_batch
+
+    model = RouterLossQwen()
+    ids, _ = make_batch(4, torch.Generator().manual_seed(0), vocab=model.model.config.vocab_size)
+    step = piper.compile(model, directives=[piper.split(2)], codegen="eager")
+    with pytest.raises(piper.PiperError, match=r"at mul.Tensor.*load_balancing_loss_func.*non-linear function"):
+        step(ids, ids.clone())
