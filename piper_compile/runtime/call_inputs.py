@@ -4,6 +4,7 @@ the call check (``runtime/consistency.py``) and what its loss seeds need."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 from piper_compile.capture.items import ItemCount, LossForm, MicroCounts
@@ -41,8 +42,8 @@ def item_counts(items: ItemCount | None, args: tuple[Any, ...], batch: int, layo
     if items.exact:
         return counts
     cut = m > 1 or len(set(layout.replica)) > 1
-    if cut and not counts.full and id(items) not in _WARNED:
-        _WARNED.add(id(items))
+    if cut and not counts.full and items.gm not in _WARNED:
+        _WARNED.add(items.gm)
         warnings.warn(
             "piper: the loss adds other terms to a cross-entropy whose labels are not all kept (ignore_index, "
             "class weights); micro-batches and replicas weigh it by their samples, not by their labels, so "
@@ -51,7 +52,7 @@ def item_counts(items: ItemCount | None, args: tuple[Any, ...], batch: int, layo
     return None
 
 
-_WARNED: set[int] = set()
+_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the item counts (their graphs) warned about once
 
 
 def call_check(joint: JointGraph, form: LossForm, args: tuple[Any, ...], ids: tuple[int, int, int],
@@ -65,7 +66,6 @@ def call_check(joint: JointGraph, form: LossForm, args: tuple[Any, ...], ids: tu
     record = CallRecord(*ids, batch, len(args), forward_only, batch_print(joint, args, layout) if world > 1 else 0,
                         sum(counts.counts) if counts else 0.0, mode)
     per_mb = counts.counts if counts else ()
-    check = CallCheck.alone(record, layout.microbatches, per_mb) if ids[2] < 0 else \
-        CallCheck(record, layout, rank, world, timeout_s, per_mb)
-    check.additive = form.additive
-    return check
+    if ids[2] < 0:
+        return CallCheck.alone(record, layout.microbatches, per_mb, form.additive)
+    return CallCheck(record, layout, rank, world, timeout_s, per_mb, form.additive)

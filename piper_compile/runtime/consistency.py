@@ -217,10 +217,10 @@ class CallCheck:
     point that needs it. ``resolve`` returns this rank's ``Weights`` or raises on every rank."""
 
     def __init__(self, record: CallRecord, layout: CallLayout, rank: int, world: int, timeout_s: float,
-                 counts: tuple[float, ...] = ()) -> None:
+                 counts: tuple[float, ...] = (), additive: bool = False) -> None:
         self.record, self.layout, self.rank, self.world = record, layout, rank, world
         self.counts = counts  # this rank's micro-batches' item weights (a loss that is a mean over items)
-        self.additive = False  # the loss is a sum over the batch: its pieces add up unweighted
+        self.additive = additive  # the loss is a sum over the batch: its pieces add up unweighted
         self.timeout_s = timeout_s
         self._weights: Weights | None = None
         self.batches: list[int] = []  # every rank's local batch (after resolve)
@@ -234,9 +234,10 @@ class CallCheck:
             self.work = dist.all_reduce(self.table, group=_check_group(timeout_s), async_op=True)
 
     @classmethod
-    def alone(cls, record: CallRecord, microbatches: int, counts: tuple[float, ...] = ()) -> "CallCheck":
+    def alone(cls, record: CallRecord, microbatches: int, counts: tuple[float, ...] = (),
+              additive: bool = False) -> "CallCheck":
         """The check of a call this rank makes alone (world 1, or ``piper.local()``): local validation only."""
-        return cls(record, CallLayout(microbatches, (0,), 1, (0,)), 0, 1, 0.0, counts)
+        return cls(record, CallLayout(microbatches, (0,), 1, (0,)), 0, 1, 0.0, counts, additive)
 
     def resolve(self) -> Weights:
         if self._weights is None:
