@@ -69,7 +69,7 @@ class _Facts:
     reduced: bool  # computed from the samples with a float output that lost the batch dimension
     known: bool = True  # known before the step runs: computed from inputs, buffers and sizes only
     form: str | None = None  # for a reduced value on the way to the loss: how it adds up over pieces
-    count: fx.Node | None = None  # this value is ``sum / count`` (times constants), ``count`` known up front
+    items: tuple[fx.Node, ...] = ()  # an item mean (times constants) over these: nll nodes, masked-mean counts
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class BatchTerms:
 
     problem: str | None
     form: str | None
-    count: str | None = None  # the loss is ``sum / count`` (a masked mean), ``count`` this joint node's name
+    items: tuple[str, ...] = ()  # the loss is a mean over items, of these nll nodes and masked-mean counts
 
 
 _SEEN: weakref.WeakKeyDictionary[fx.GraphModule, BatchTerms] = weakref.WeakKeyDictionary()
@@ -108,7 +108,7 @@ def _walk(joint: JointGraph) -> BatchTerms:
         if found is not None and problem is None:
             problem = f"{describe_op(node, None)}, {found}"
     last = facts.get(loss)
-    return BatchTerms(problem, last.form if last else None, last.count.name if last and last.count else None)
+    return BatchTerms(problem, last.form if last else None, tuple(n.name for n in last.items) if last else ())
 
 
 def batch_problem(joint: JointGraph) -> str | None:
@@ -195,22 +195,17 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
     data_in = [a for a in node.all_input_nodes if a in facts and facts[a].data]
     if all(facts[a].batched for a in data_in):
         f.form = _reduction_form(node)
+        f.items = (node,) if f.form == ITEMS else ()
         return None if f.form is not None else (
             "the loss takes a statistic of the batch that is not a sum or a mean over its samples (a variance, "
             "maximum, norm or top-k over the batch), which is not the weighted sum of its pieces' values")
     if any(facts[a].batched for a in data_in):
         return "it combines per-sample values with a statistic over the batch's samples"
     if node.target in _LINEAR_UNARY and len(data_in) == 1:
-        f.form, f.count = facts[data_in[0]].form, facts[data_in[0]].count
+        f.form, f.items = facts[data_in[0]].form, facts[data_in[0]].items
         return None
-    if node.target in _ADDS and any(facts[a].count is not None for a in data_in):
-        return ("the loss adds other terms to a sum divided by a count taken from the batch (a masked mean "
-                "written by hand): one weight per piece cannot weigh both as the global batch would")
     if node.target in _ADDS:
-        constant = sum(isinstance(a, fx.Node) and a in facts and facts[a].data for a in node.args[:2]) < 2
-        forms = {facts[a].form for a in data_in} | ({CONST} if constant else set())
-        f.form, problem = _combine(forms)
-        return problem
+        return _add(node, f, data_in, facts)
     if node.target in _SCALES and len(data_in) == 1:
         return _scale(node, f, data_in[0], facts, symbols)
     if node.target is aten.div.Tensor:
@@ -219,13 +214,30 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
             "values, a power, a square root), which is not the weighted sum of its pieces' values")
 
 
+def _add(node: fx.Node, f: _Facts, data_in: list[fx.Node], facts: dict[fx.Node, _Facts]) -> str | None:
+    """A sum of terms. Means over items stay one (each piece weighs its items' share) where every piece
+    counts the same items for each -- checked per call (``capture/items.ItemCount``): label smoothing adds a
+    mean over the kept labels to the cross-entropy. A constant term adds up under any weights summing to 1."""
+    parts = [facts[a].items for a in data_in]
+    if all(parts):
+        f.form, f.items = ITEMS, tuple(dict.fromkeys(n for part in parts for n in part))
+        return None
+    if any(n.target not in _LOSSES for part in parts for n in part):
+        return ("the loss adds other terms to a sum divided by a count taken from the batch (a masked mean "
+                "written by hand): one weight per piece cannot weigh both as the global batch would")
+    constant = sum(isinstance(a, fx.Node) and a in facts and facts[a].data for a in node.args[:2]) < 2
+    forms = {facts[a].form for a in data_in} | ({CONST} if constant else set())
+    f.form, problem = _combine(forms)
+    return problem
+
+
 def _ratio(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts]) -> str | None:
     """``sum / count`` with the count a sum known before the step (``(loss * mask).sum() / mask.sum()``): a
     mean over items, each piece weighed by its count's share (``capture/items.py``)."""
     num, den = node.args[0], node.args[1]
     if isinstance(num, fx.Node) and isinstance(den, fx.Node) and facts[num].form == SUM and \
-            facts[den].form == SUM and facts[den].known and facts[num].count is None:
-        f.form, f.count = ITEMS, den
+            facts[den].form == SUM and facts[den].known and not facts[num].items:
+        f.form, f.items = ITEMS, (den,)
         return None
     return ("the loss divides a sum over the batch by a value computed from the batch that is not a count "
             "known before the step (a sum of inputs, as in `(loss * mask).sum() / mask.sum()`), which is not the "
@@ -273,7 +285,7 @@ def _scale(node: fx.Node, f: _Facts, term: fx.Node, facts: dict[fx.Node, _Facts]
     size = factor.meta.get("val") if isinstance(factor, fx.Node) else factor
     form = facts[term].form
     if not (isinstance(size, torch.SymInt) and has_batch(size, symbols)):
-        f.form, f.count = form, facts[term].count
+        f.form, f.items = form, facts[term].items
     elif form == SUM and divide:
         f.form = MEAN  # ``x.sum() / x.shape[0]``
     elif form == MEAN and not divide:

@@ -17,7 +17,7 @@ share of the global total: the step's loss and gradients are those of the global
 """
 from __future__ import annotations
 
-import operator
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,33 +35,53 @@ _LEAVES = (INPUT, SYM, BUFFER)  # what a loss's target and class weights may be 
 
 @dataclass(frozen=True)
 class MicroCounts:
-    """This rank's micro-batches' total weights, and whether every label counts with weight 1 (then
-    the weights are proportional to the samples and the sample weights are used, bitwise as before)."""
+    """This rank's micro-batches' total weights, whether every label counts with weight 1 (then the
+    weights are proportional to the samples and the sample weights are used, bitwise as before), and
+    whether the loss's item means all count the same items in every micro-batch."""
 
     counts: tuple[float, ...]
     full: bool
+    agree: bool = True
+
+
+@dataclass(frozen=True)
+class ItemPart:
+    """One item mean of the loss: the joint graph's ops from ``reads`` to its (target, class weights or
+    None) -- or, for a hand-written masked mean, to (its count, None)."""
+
+    gm: fx.GraphModule
+    reads: tuple[InputSpec, ...]
+    ignore_index: int | None  # None: ``gm`` returns the count itself
+
+    def total(self, args: tuple[Any, ...], k: int, mb_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``k``'s total item weight, and a positive number where its items are not
+        proportional to its samples."""
+        target, weight = self.gm(*[_value(s, args, k, mb_size) for s in self.reads])
+        return _total(target, weight, self.ignore_index)
 
 
 @dataclass(frozen=True)
 class ItemCount:
-    """Computes the total weight of a mean-reduced cross-entropy's labels per micro-batch."""
+    """Computes the total weight of the loss's items per micro-batch: a mean-reduced cross-entropy's
+    labels, a hand-written masked mean's count, or several such means of the same items (label smoothing
+    adds a mean over the kept labels to the cross-entropy)."""
 
-    gm: fx.GraphModule  # the joint graph's ops from ``reads`` to (target, class weights or None)
-    reads: tuple[InputSpec, ...]
-    ignore_index: int | None  # None: ``gm`` returns (the count itself, None) -- a hand-written masked mean
-    exact: bool = True  # the loss is this mean itself (else one term of it: ``find_item_count``)
+    parts: tuple[ItemPart, ...]
+    exact: bool = True  # the loss is these means itself (else one term of it: ``find_item_count``)
 
     def counts(self, args: tuple[Any, ...], m: int, mb_size: int) -> MicroCounts:
         """The ``m`` micro-batches' total weights of this call's ``args`` (one host sync)."""
         totals: list[torch.Tensor] = []
         dropped: list[torch.Tensor] = []
-        for k in range(m):
-            target, weight = self.gm(*[_value(s, args, k, mb_size) for s in self.reads])
-            total, lost = _total(target, weight, self.ignore_index)
-            totals.append(total)
-            dropped.append(lost)
+        for part in self.parts:
+            for k in range(m):
+                total, lost = part.total(args, k, mb_size)
+                totals.append(total)
+                dropped.append(lost)
         host = torch.stack(totals + [torch.stack(dropped).sum()]).tolist()
-        return MicroCounts(tuple(host[:m]), host[m] == 0)
+        per_part = [host[i * m:(i + 1) * m] for i in range(len(self.parts))]
+        agree = all(math.isclose(a, b, rel_tol=1e-6) for other in per_part[1:] for a, b in zip(per_part[0], other))
+        return MicroCounts(tuple(per_part[0]), host[-1] == 0, agree)
 
 
 def _total(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,19 +138,26 @@ def find_item_count(joint: JointGraph) -> ItemCount | None:
     loss = next((n for n in g.nodes if n.name == joint.loss), None)
     if loss is None:
         return None
-    count = batch_terms(joint).count
-    if count is not None:
-        return _counted(joint, [next(n for n in g.nodes if n.name == count)], None, True)
-    exact = loss.target is operator.getitem and loss.args[1] == 0 and _mean_nll(loss.args[0])
-    nll = loss.args[0] if exact else next((n for n in ancestors([loss]) if _mean_nll(n)), None)
-    if nll is None:
-        return None
-    target, weight = nll.args[1], nll.args[2]
-    return _counted(joint, [a for a in (target, weight) if isinstance(a, fx.Node)], int(nll.args[4]), exact)
+    sources = batch_terms(joint).items
+    if sources:
+        by_name = {n.name: n for n in g.nodes if n.name in sources}
+        parts = [_part(joint, by_name[name]) for name in sources]
+        return ItemCount(tuple(p for p in parts if p)) if all(parts) else None
+    nll = next((n for n in ancestors([loss]) if _mean_nll(n)), None)
+    part = _part(joint, nll) if nll is not None else None
+    return ItemCount((part,), exact=False) if part else None
 
 
-def _counted(joint: JointGraph, roots: list[fx.Node], ignore_index: int | None, exact: bool) -> ItemCount | None:
-    """The ``ItemCount`` replaying the joint graph's ops from its inputs to ``roots``; None where they read
+def _part(joint: JointGraph, source: fx.Node) -> ItemPart | None:
+    """The ``ItemPart`` of an item mean (a mean-reduced ``nll_loss`` node, or a masked mean's count)."""
+    if _mean_nll(source):
+        roots = [a for a in (source.args[1], source.args[2]) if isinstance(a, fx.Node)]
+        return _counted(joint, roots, int(source.args[4]))
+    return _counted(joint, [source], None)
+
+
+def _counted(joint: JointGraph, roots: list[fx.Node], ignore_index: int | None) -> ItemPart | None:
+    """The ``ItemPart`` replaying the joint graph's ops from its inputs to ``roots``; None where they read
     anything but inputs, buffers and sizes."""
     g = joint.gm.graph
     needed = ancestors(roots)
@@ -138,7 +165,7 @@ def _counted(joint: JointGraph, roots: list[fx.Node], ignore_index: int | None, 
     if any(n.op == "get_attr" for n in needed) or \
             any(s is None or s.kind not in _LEAVES or s.arg_index is None for s in specs):
         return None
-    return ItemCount(_subgraph(g, needed, roots, len(roots) > 1), tuple(s for s in specs if s), ignore_index, exact)
+    return ItemPart(_subgraph(g, needed, roots, len(roots) > 1), tuple(s for s in specs if s), ignore_index)
 
 
 def _subgraph(g: fx.Graph, needed: set[fx.Node], roots: list[fx.Node], weighted: bool) -> fx.GraphModule:
@@ -158,11 +185,13 @@ def guard_empty_counts(joint: JointGraph) -> None:
     0: such a piece weighs 0 in the step (its share of the global count), but ``0 / 0`` in its forward would
     put NaN into its gradients through the seed (``0 * inf``). Pieces with items, and a whole batch with
     items, compute exactly as written; a step whose global count is 0 still gives NaN, as eager does."""
-    name = batch_terms(joint).count
-    if name is None:
-        return
     g = joint.gm.graph
-    count = next(n for n in g.nodes if n.name == name)
+    for count in [n for n in g.nodes if n.name in batch_terms(joint).items and not _mean_nll(n)]:
+        _divide_by_one_where_empty(joint, count)
+
+
+def _divide_by_one_where_empty(joint: JointGraph, count: fx.Node) -> None:
+    g = joint.gm.graph
     val = count.meta["val"]
     with g.inserting_after(count):
         empty = g.call_function(aten.eq.Scalar, (count, 0))

@@ -33,22 +33,25 @@ def batch_print(joint: JointGraph, args: tuple[Any, ...], layout: CallLayout) ->
 
 def item_counts(items: ItemCount | None, args: tuple[Any, ...], batch: int, layout: CallLayout) -> MicroCounts | None:
     """The loss's item weights per micro-batch, where it is a mean over items and the batch splits. A
-    loss with such a mean as one term only is weighed by samples, with a warning (once) when its labels
-    are not all kept and the batch is cut: the step then differs from single-device training."""
+    loss with such a mean as one term only, or with item means that count different items, is weighed by
+    samples, with a warning (once) when its labels are not all kept and the batch is cut: the step then
+    differs from single-device training."""
     m = layout.microbatches
     if items is None or batch <= 0 or batch % m:
         return None
     counts = items.counts(args, m, batch // m)
-    if items.exact:
+    if items.exact and counts.agree:
         return counts
     cut = m > 1 or len(set(layout.replica)) > 1
-    if cut and not counts.full and items.gm not in _WARNED:
-        _WARNED.add(items.gm)
+    key = items.parts[0].gm
+    if cut and not counts.full and key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(
             "piper: the loss adds other terms to a cross-entropy whose labels are not all kept (ignore_index, "
-            "class weights); micro-batches and replicas weigh it by their samples, not by their labels, so "
-            "the step differs from single-device training on the global batch. For an exact step, return the "
-            "cross-entropy alone, or give every micro-batch as many labels kept.", stacklevel=5)
+            "class weights), or its means over labels count different labels; micro-batches and replicas weigh "
+            "it by their samples, not by their labels, so the step differs from single-device training on the "
+            "global batch. For an exact step, return the cross-entropy alone, or give every micro-batch as many "
+            "labels kept.", stacklevel=5)
     return None
 
 

@@ -43,6 +43,12 @@ class Tagger(nn.Module):
             return F.cross_entropy(flat, target, reduction="sum") / target.numel()
         if self.loss == "aux":  # a cross-entropy plus a regularizer of the whole batch
             return F.cross_entropy(flat, target) + 0.1 * logits.pow(2).mean()
+        if self.loss == "smooth":  # label smoothing: the cross-entropy plus a mean over the same kept labels
+            return F.cross_entropy(flat, target, label_smoothing=0.1)
+        if self.loss == "smooth_weighted":
+            return F.cross_entropy(flat, target, weight=self.class_weight, label_smoothing=0.2)
+        if self.loss == "two_targets":  # two label means over different labels: one weight cannot serve both
+            return F.cross_entropy(flat, target) + F.cross_entropy(logits[:, 1:].reshape(-1, 8), y[:, :-1].reshape(-1))
         if self.loss == "argmax":  # labels made from the model's own output: not known before the step
             return F.cross_entropy(flat, flat.argmax(-1).detach())
         return F.cross_entropy(flat, target)
@@ -110,7 +116,7 @@ def test_seeds_are_item_shares() -> None:
     assert all(math.isnan(s) for s in items_weights(layout, [0.0] * 4, (0.0, 0.0)).seeds)
 
 
-@pytest.mark.parametrize("loss", ["plain", "weighted"])
+@pytest.mark.parametrize("loss", ["plain", "weighted", "smooth", "smooth_weighted"])
 def test_micro_batches_train_as_eager(loss: str) -> None:
     """One process, split(4) (one micro-batch without items at the first step): losses and weights
     equal eager training on the whole batch; before, each micro-batch's mean weighed a quarter."""
@@ -195,3 +201,17 @@ def test_a_sum_over_the_batch_trains_as_eager(loss: str) -> None:
         want.backward()
         opt.step()
         assert got == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_label_means_over_different_labels_warn_when_they_disagree() -> None:
+    """Two cross-entropies over differently padded targets: each micro-batch counts other labels for
+    each, so one seed per micro-batch cannot weigh both; the call checks and keeps the sample weights."""
+    step, items = _items("two_targets")
+    assert items is not None and items.exact and len(items.parts) == 2
+    x, y = _batch()
+    assert not items.counts(_args(step, x, y), 4, 2).agree
+    assert items.counts(_args(step, x, torch.ones_like(y)), 4, 2).agree
+    torch.manual_seed(0)
+    step = piper.compile(Tagger("two_targets"), directives=[piper.split(2)], codegen="eager", optimizer=SGD)
+    with pytest.warns(UserWarning, match="count different labels"):
+        step(x, y)
