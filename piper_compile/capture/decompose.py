@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from piper_compile.capture.joint import BUFFER, INPUT, SYM, JointGraph, describe_op, has_batch
 
@@ -150,16 +151,22 @@ def _tensors(val: Any) -> list[torch.Tensor]:
 
 def _facts(node: fx.Node, joint: JointGraph, facts: dict[fx.Node, _Facts], symbols: frozenset[Any]) -> _Facts:
     tensors = _tensors(node.meta.get("val"))
-    batched = any(any(has_batch(s, symbols) for s in t.shape) for t in tensors)
+    batched = any(any(_carries(s, symbols) for s in t.shape) for t in tensors)
     if node.op in ("placeholder", "get_attr"):
         spec = joint.spec(joint.value_of.get(node.name, "")) if node.op == "placeholder" else None
         return _Facts(batched, bool(spec is not None and spec.kind == INPUT and spec.batched), False,
                       spec is not None and spec.kind in (INPUT, BUFFER, SYM))
     inputs = [facts[a] for a in node.all_input_nodes if a in facts]
     data = any(f.data for f in inputs)
-    reduced = data and any(t.is_floating_point() and not any(has_batch(s, symbols) for s in t.shape)
+    reduced = data and any(t.is_floating_point() and not any(_carries(s, symbols) for s in t.shape)
                            and 0 not in [s for s in t.shape if isinstance(s, int)] for t in tensors)
     return _Facts(batched, data, reduced, all(f.known for f in inputs))
+
+
+def _carries(size: Any, symbols: frozenset[Any]) -> bool:
+    """Whether a dimension holds samples: the batch, or a selection of its samples by value (boolean
+    indexing, ``nonzero``: a size known only when the step runs), which each piece makes of its own."""
+    return has_batch(size, symbols) or (isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size)))
 
 
 def _mixes(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: frozenset[Any]) -> str | None:
@@ -196,6 +203,10 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
     if all(facts[a].batched for a in data_in):
         f.form = _reduction_form(node)
         f.items = (node,) if f.form == ITEMS else ()
+        if f.form == MEAN and any(_selected(a) for a in data_in):
+            return ("the loss averages samples selected by their values (`x[mask].mean()`, a mean-reduced loss "
+                    "of `pred[mask]`): each piece would average its own selection. Write it as a masked mean, "
+                    "`(x * mask).sum() / mask.sum()`, which piper weighs by each piece's count")
         return None if f.form is not None else (
             "the loss takes a statistic of the batch that is not a sum or a mean over its samples (a variance, "
             "maximum, norm or top-k over the batch), which is not the weighted sum of its pieces' values")
@@ -242,6 +253,12 @@ def _ratio(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts]) -> str | None
     return ("the loss divides a sum over the batch by a value computed from the batch that is not a count "
             "known before the step (a sum of inputs, as in `(loss * mask).sum() / mask.sum()`), which is not the "
             "weighted sum of its pieces' values")
+
+
+def _selected(node: fx.Node) -> bool:
+    """Whether ``node``'s value has a size known only when the step runs (a selection by value)."""
+    return any(isinstance(s, torch.SymInt) and free_unbacked_symbols(s)
+               for t in _tensors(node.meta.get("val")) for s in t.shape)
 
 
 def _reduction_form(node: fx.Node) -> str | None:

@@ -35,8 +35,9 @@ _LEAVES = (INPUT, SYM, BUFFER)  # what a loss's target and class weights may be 
 
 @dataclass(frozen=True)
 class MicroCounts:
-    """This rank's micro-batches' total weights, whether every label counts with weight 1 (then the
-    weights are proportional to the samples and the sample weights are used, bitwise as before), and
+    """This rank's micro-batches' total weights, whether every label counts with weight 1 and every
+    micro-batch holds as many (then the weights are proportional to the samples and the sample weights
+    are used, bitwise as before), and
     whether the loss's item means all count the same items in every micro-batch."""
 
     counts: tuple[float, ...]
@@ -81,7 +82,8 @@ class ItemCount:
         host = torch.stack(totals + [torch.stack(dropped).sum()]).tolist()
         per_part = [host[i * m:(i + 1) * m] for i in range(len(self.parts))]
         agree = all(math.isclose(a, b, rel_tol=1e-6) for other in per_part[1:] for a, b in zip(per_part[0], other))
-        return MicroCounts(tuple(per_part[0]), host[-1] == 0, agree)
+        even = len(set(per_part[0])) <= 1  # a label per sample row, not a selection of varying size
+        return MicroCounts(tuple(per_part[0]), host[-1] == 0 and even, agree)
 
 
 def _total(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int | None) -> tuple[torch.Tensor, torch.Tensor]:

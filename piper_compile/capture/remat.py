@@ -115,8 +115,19 @@ def _val_bytes(val: Any) -> int:
         return 0
     numel = 1
     for s in val.shape:
-        numel *= int(s.node.hint) if isinstance(s, torch.SymInt) and s.node.hint is not None else int(s)
+        numel *= size_hint(s)
     return numel * val.element_size()
+
+
+def size_hint(s: Any) -> int:
+    """A size at the capture batch: its hint, or for a size known only when the step runs (boolean
+    indexing, ``nonzero``) the largest value its range allows below the hints of the capture (else 1)."""
+    if not isinstance(s, torch.SymInt):
+        return int(s)
+    if s.node.hint is not None:
+        return int(s.node.hint)
+    bound = s.node.shape_env.bound_sympy(s.node.expr).upper
+    return int(bound) if bound.is_finite else 1
 
 
 def hint_bytes(n: fx.Node) -> int:

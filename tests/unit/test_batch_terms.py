@@ -29,11 +29,15 @@ class Net(nn.Module):
         self.bn = nn.BatchNorm1d(16, track_running_stats=False)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
-        h, k = self.a(x), self.kind
+        k = self.kind
+        if k == "dispatch":  # rows picked by value, transformed, put back (MoE-style routing by nonzero)
+            picked = (x[:, 0] > 0).nonzero().squeeze(1)
+            x = x.index_add(0, picked, torch.tanh(x[picked]))
+        h = self.a(x)
         h = {"batchnorm": lambda: self.bn(h), "center": lambda: h - h.mean(0),
              "softmax": lambda: h * F.softmax(h, dim=0), "cumsum": lambda: h.cumsum(0)}.get(k, lambda: h)()
         o = self.b(torch.relu(h))
-        mask = (y[:, 0] > -1).float()
+        mask, keep = (y[:, 0] > -1).float(), y[:, 0] > -1
         return {
             "masked": lambda: ((o - y).pow(2).mean(-1) * mask).sum() / mask.sum(),
             "masked_by_output": lambda: (o - y).pow(2).mean(-1).sum() / (o[:, 0] > 0).float().sum(),
@@ -45,6 +49,9 @@ class Net(nn.Module):
             "sqrt": lambda: F.mse_loss(o, y).sqrt(),
             "top_k": lambda: (o - y).pow(2).mean(-1).topk(2).values.mean(),
             "sum_by_count": lambda: F.mse_loss(o, y, reduction="sum") / count,
+            "selected_sum": lambda: (o - y).pow(2).mean(-1)[keep].sum(),
+            "selected_ce": lambda: F.cross_entropy(o[keep], y.argmax(-1)[keep]),
+            "selected_mse": lambda: F.mse_loss(o[keep], y[keep]),
             "sums": lambda: (o - y).pow(2).sum() + 0.5 * (o - y).abs().sum() * 2,
             "mean_and_const": lambda: F.mse_loss(o, y) + 0.1 * self.a.weight.pow(2).sum(),
             "sum_over_batch_size": lambda: (o - y).pow(2).sum() / x.shape[0],
@@ -61,6 +68,7 @@ REFUSED = {
     "center": ("sub.Tensor", "h - h.mean(0)", "combines per-sample values with a statistic"),
     "softmax": ("_softmax", "F.softmax(h, dim=0)", "mixes samples along the batch dimension"),
     "cumsum": ("cumsum", "h.cumsum(0)", "mixes samples along the batch dimension"),
+    "selected_mse": ("mse_loss", "F.mse_loss(o[keep], y[keep])", "averages samples selected by their values"),
     "masked_by_output": ("div.Tensor", "(o[:, 0] > 0)", "not a count known before the step"),
     "masked_plus": ("add.Tensor", "mask.sum() + o.pow(2).mean()", "adds other terms to a sum divided by a count"),
     "product": ("mul.Tensor", "o.mean() * h.mean()", "non-linear function"),
@@ -134,10 +142,15 @@ def test_what_adds_up_is_told_apart(kind: str, form: str) -> None:
     assert _form(kind) == form
 
 
-@pytest.mark.parametrize("kind", ["sum_by_count", "sums", "mean_and_const", "sum_over_batch_size"])
+@pytest.mark.parametrize("kind", ["sum_by_count", "sums", "mean_and_const", "sum_over_batch_size", "selected_sum",
+                                  "selected_ce", "dispatch"])
 def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
     """``sum / count`` with the count passed in (transformers' ``num_items_in_batch``): each piece's sum over
-    the global count adds up. Before, it was weighed as a mean: its loss and gradients a quarter of eager's."""
+    the global count adds up. Before, it was weighed as a mean: its loss and gradients a quarter of eager's.
+    Rows selected by value (``x[mask]``, ``nonzero``) stay per sample: their sum adds up, a cross-entropy
+    over them is a mean over the rows each piece selects (weighed by its count), and rows routed out and
+    back are untouched by the cut. Before, ``selected_ce`` crashed in planning (a size known only at run
+    time has no hint) and, past that, weighed its micro-batches by samples."""
     torch.manual_seed(0)
     model = Net(kind)
     ref = copy.deepcopy(model)
