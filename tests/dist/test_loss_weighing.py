@@ -74,6 +74,19 @@ def _padded(model: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
+def _eager_losses(ref: torch.nn.Module, batch_of: Any, steps: int = 3) -> list[float]:
+    """Eager SGD on the whole batch ``batch_of(step)`` of each step: its losses (``ref`` trained in place)."""
+    opt = SGD(ref.parameters())
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = ref(*batch_of(s))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _hf_worker(rank: int, world: int) -> dict[str, Any]:
     model = LlamaLoss(hf_loss=True, seed=0, num_hidden_layers=2)
     step = piper.compile(model, directives=[piper.replicate(zero=1), piper.split(2)], codegen="eager",
@@ -86,14 +99,7 @@ def test_transformers_shifted_loss_over_padded_labels() -> None:
     """A Llama's own ``labels=`` loss (pad-and-shift inside transformers), DP2 ZeRO-1 x split(2)."""
     res = run_local(_hf_worker, 2, timeout_s=600)
     ref = LlamaLoss(hf_loss=True, seed=0, num_hidden_layers=2)
-    opt = SGD(ref.parameters())
-    want = []
-    for s in range(3):
-        opt.zero_grad()
-        loss = ref(*_padded(ref, s))
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _eager_losses(ref, lambda s: _padded(ref, s))
     for r in res:
         assert r["losses"] == pytest.approx(want, rel=1e-5)
     for name, p in ref.named_parameters():
@@ -139,14 +145,7 @@ def test_class_weighted_item_mean_pp2() -> None:
     res = run_local(_weighted_pp2, 2, timeout_s=300)
     torch.manual_seed(0)
     ref = Tagger("weighted")
-    opt = SGD(ref.parameters())
-    want = []
-    for s in range(3):
-        opt.zero_grad()
-        loss = ref(*_batch(8, s))
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _eager_losses(ref, lambda s: _batch(8, s))
     for r in res:
         assert r == pytest.approx(want, rel=1e-5)
 
@@ -186,14 +185,7 @@ def test_hand_written_masked_mean(case: str) -> None:
     res = run_local(_masked_worker, 2, case, timeout_s=300)
     torch.manual_seed(0)
     ref = Net("masked")
-    opt = SGD(ref.parameters())
-    want = []
-    for s in range(3):
-        opt.zero_grad()
-        loss = ref(*_masked_batch(s))
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _eager_losses(ref, _masked_batch)
     for r in res:
         assert r["losses"] == pytest.approx(want, rel=1e-5)
     trained = {**res[0]["params"], **res[1]["params"]}  # a pipeline stage holds its own layer
