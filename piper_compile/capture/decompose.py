@@ -31,7 +31,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from piper_compile.capture.joint import BUFFER, INPUT, SYM, JointGraph, describe_op, has_batch
+from piper_compile.capture.joint import BUFFER, INPUT, SYM, InputSpec, JointGraph, describe_op, has_batch
 
 aten = torch.ops.aten
 
@@ -101,8 +101,10 @@ def _walk(joint: JointGraph) -> BatchTerms:
     loss = next(n for n in joint.gm.graph.nodes if n.name == joint.loss)
     on_loss_path = ancestors([loss])
     problem: str | None = None
+    by_value = {s.value: s for s in reversed(joint.inputs)}  # the first of a value, as joint.spec
+    specs = {name: by_value[v] for name, v in joint.value_of.items() if v in by_value}  # placeholder -> spec
     for node in _forward(joint):
-        f = facts[node] = _facts(node, joint, facts, symbols)
+        f = facts[node] = _facts(node, specs, facts, symbols)
         found = _mixes(node, f, facts, symbols)
         if found is None and node in on_loss_path and f.data:
             found = _term(node, f, facts, symbols)
@@ -149,11 +151,11 @@ def _tensors(val: Any) -> list[torch.Tensor]:
     return []
 
 
-def _facts(node: fx.Node, joint: JointGraph, facts: dict[fx.Node, _Facts], symbols: frozenset[Any]) -> _Facts:
+def _facts(node: fx.Node, specs: dict[str, InputSpec], facts: dict[fx.Node, _Facts], symbols: frozenset[Any]) -> _Facts:
     tensors = _tensors(node.meta.get("val"))
     batched = any(any(_carries(s, symbols) for s in t.shape) for t in tensors)
     if node.op in ("placeholder", "get_attr"):
-        spec = joint.spec(joint.value_of.get(node.name, "")) if node.op == "placeholder" else None
+        spec = specs.get(node.name)
         return _Facts(batched, bool(spec is not None and spec.kind == INPUT and spec.batched), False,
                       spec is not None and spec.kind in (INPUT, BUFFER, SYM))
     inputs = [facts[a] for a in node.all_input_nodes if a in facts]
