@@ -56,6 +56,7 @@ def test_forward_only_under_no_grad():
                    no_grad_eval=True), 2)
 
 
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 def test_ep_with_zero1_and_adamw_inductor():
     """Dense parameters ZeRO-1-sharded, experts expert-sharded, AdamW, Inductor-compiled segments."""
     res = run_parity(_ep("moe", {"experts": 4}, [piper.split(2), piper.replicate(zero=1), piper.shard({"EP": 0})],

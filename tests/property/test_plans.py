@@ -194,12 +194,14 @@ def check_pipeline_plan(model: str, stages: int, m: int, kind: str, dp: int, buc
 
 
 # -- valid strategies verify ---------------------------------------------------------------------------
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 @settings(max_examples=40, **SETTINGS)
 @given(plans)
 def test_random_pipeline_plans_verify(p: Case) -> None:
     check_pipeline_plan("mlp", *p)
 
 
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 @settings(max_examples=25, **SETTINGS)
 @given(st.integers(2, 4), st.integers(1, 10), st.sampled_from(sorted(SCHEDULES)), st.sampled_from([1, 2]), _buckets)
 def test_random_pipeline_plans_with_skip_connection_verify(stages: int, m: int, kind: str, dp: int,

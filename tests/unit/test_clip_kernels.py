@@ -30,6 +30,7 @@ def _ops_of_a_clipped_step(layers: int) -> Counter:
     return Counter(e.name for e in prof.events())
 
 
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 def test_the_norm_and_the_scaling_do_not_grow_with_the_parameter_count():
     small, big = _ops_of_a_clipped_step(1), _ops_of_a_clipped_step(4)
     assert big["aten::_foreach_norm"] == small["aten::_foreach_norm"] >= 1

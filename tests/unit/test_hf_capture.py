@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from piper_compile.testing.hf import HFLoss  # noqa: E402
 
 
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 def test_gpt2_with_labels_compiles_despite_warning_once():
     """GPT-2 called with ``labels=`` logs through transformers' ``logger.warning_once`` inside ``forward``;
     Dynamo used to stop there (``Unsupported: logging.Logger method not supported``). piper has Dynamo skip

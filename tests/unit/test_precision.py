@@ -113,6 +113,7 @@ def _zero3_plan(mp):
     return plan, res, copy_bytes(plan.programs[0], Sizes.from_dag(plan.dag))
 
 
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 def test_simulator_predicts_bytes_per_dtype():
     """The DAG records the policy (META precision, parsed back with the DAG); the simulator keeps master
     weights and gradients in fp32 and counts ZeRO-3 gathers in bf16, half of fp32's bytes."""

@@ -47,6 +47,7 @@ def test_gpt_sequence_parallel_collectives():
                if ".sp." in n.name)  # summed over the whole tensor-parallel group
 
 
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 def test_sequence_parallel_under_dp_reduces_partial_grads_over_all_ranks():
     p = _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1], [2, 3]], sequence_parallel=True)],
               world=4)

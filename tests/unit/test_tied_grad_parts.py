@@ -78,6 +78,7 @@ def test_pp2_x_dp2_zero3_exchanges_per_replica_pair():
     assert recv.name in plan.dag.predecessors()[reduce_of[0].name]
 
 
+@pytest.mark.slow  # slow: keeps the fast subset under 5 min
 def test_dualpipe_v_holds_both_ends_on_one_rank_and_exchanges_nothing():
     plan = _plan(S.dualpipe_v(2, 4), stages=4)
     per_mb, parts, final = _gradient_sends(plan)
