@@ -219,7 +219,7 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
         return None
     if node.target in _ADDS:
         return _add(node, f, data_in, facts)
-    if node.target in _SCALES and len(data_in) == 1:
+    if node.target in _SCALES and sum(a in data_in for a in node.args[:2]) == 1:  # not ``x * x``
         return _scale(node, f, data_in[0], facts, symbols)
     if node.target is aten.div.Tensor:
         return _ratio(node, f, facts)
