@@ -51,8 +51,11 @@ _MEANS = (aten.mean.default, aten.mean.dim)
 _LINEAR_UNARY = (aten.neg.default, aten.clone.default, aten.alias.default, aten.detach.default,
                  aten._to_copy.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                  aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
-                 aten.expand.default, torch.ops.prims.convert_element_type.default, operator.getitem) + _SUMS + _MEANS
-_ADDS = (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar)
+                 aten.expand.default, torch.ops.prims.convert_element_type.default, operator.getitem,
+                 aten.select.int, aten.slice.Tensor, aten.permute.default, aten.t.default, aten.transpose.int) \
+    + _SUMS + _MEANS
+_ADDS = (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Tensor, aten.rsub.Scalar)
+_STACKS = (aten.stack.default, aten.cat.default)  # several terms in one tensor (``torch.stack(losses).sum()``)
 _SCALES = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar)
 # ops that keep the batch dimension but mix samples along the dimension named by their argument
 _MIXING_DIM = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten.cumsum.default: 1,
@@ -217,7 +220,7 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
     if node.target in _LINEAR_UNARY and len(data_in) == 1:
         f.form, f.items = facts[data_in[0]].form, facts[data_in[0]].items
         return None
-    if node.target in _ADDS:
+    if node.target in _ADDS or node.target in _STACKS:
         return _add(node, f, data_in, facts)
     if node.target in _SCALES and sum(a in data_in for a in node.args[:2]) == 1:  # not ``x * x``
         return _scale(node, f, data_in[0], facts, symbols)
@@ -238,7 +241,8 @@ def _add(node: fx.Node, f: _Facts, data_in: list[fx.Node], facts: dict[fx.Node, 
     if any(n.target not in _LOSSES for part in parts for n in part):
         return ("the loss adds other terms to a sum divided by a count taken from the batch (a masked mean "
                 "written by hand): one weight per piece cannot weigh both as the global batch would")
-    constant = sum(isinstance(a, fx.Node) and a in facts and facts[a].data for a in node.args[:2]) < 2
+    operands = list(node.args[0]) if node.target in _STACKS else list(node.args[:2])
+    constant = sum(isinstance(a, fx.Node) and a in facts and facts[a].data for a in operands) < len(operands)
     forms = {facts[a].form for a in data_in} | ({CONST} if constant else set())
     f.form, problem = _combine(forms)
     return problem

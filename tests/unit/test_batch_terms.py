@@ -55,6 +55,8 @@ class Net(nn.Module):
             "selected_mse": lambda: F.mse_loss(o[keep], y[keep]),
             "sums": lambda: (o - y).pow(2).sum() + 0.5 * (o - y).abs().sum() * 2,
             "mean_and_const": lambda: F.mse_loss(o, y) + 0.1 * self.a.weight.pow(2).sum(),
+            "one_minus": lambda: 1 - F.cosine_similarity(o, y).mean() + (2.0 - F.mse_loss(o, y)) * 0.5,
+            "stacked": lambda: torch.stack([F.mse_loss(o, y), F.l1_loss(o, y)]).mean(),
             "sum_over_batch_size": lambda: (o - y).pow(2).sum() / x.shape[0],
         }.get(k, lambda: F.mse_loss(o, y))()
 
@@ -139,13 +141,14 @@ def _form(kind: str) -> str | None:
 
 
 @pytest.mark.parametrize("kind,form", [("plain", MEAN), ("mean_and_const", MEAN), ("sum_over_batch_size", MEAN),
+                                       ("one_minus", MEAN), ("stacked", MEAN),
                                        ("sums", SUM), ("sum_by_count", SUM)])
 def test_what_adds_up_is_told_apart(kind: str, form: str) -> None:
     assert _form(kind) == form
 
 
-@pytest.mark.parametrize("kind", ["sum_by_count", "sums", "mean_and_const", "sum_over_batch_size", "selected_sum",
-                                  "selected_ce", "dispatch"])
+@pytest.mark.parametrize("kind", ["sum_by_count", "sums", "mean_and_const", "one_minus", "stacked",
+                                  "sum_over_batch_size", "selected_sum", "selected_ce", "dispatch"])
 def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
     """``sum / count`` with the count passed in (transformers' ``num_items_in_batch``): each piece's sum over
     the global count adds up. Before, it was weighed as a mean: its loss and gradients a quarter of eager's.
