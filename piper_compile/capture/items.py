@@ -35,10 +35,10 @@ _LEAVES = (INPUT, SYM, BUFFER)  # what a loss's target and class weights may be 
 
 @dataclass(frozen=True)
 class MicroCounts:
-    """This rank's micro-batches' total weights, whether every label counts with weight 1 and every
+    """This rank's micro-batches' total weights; whether every label counts with weight 1 and every
     micro-batch holds as many (then the weights are proportional to the samples and the sample weights
-    are used, bitwise as before), and
-    whether the loss's item means all count the same items in every micro-batch."""
+    are used, bitwise as before); and whether the loss's item means all count the same items in every
+    micro-batch."""
 
     counts: tuple[float, ...]
     full: bool
