@@ -45,6 +45,7 @@ _LOSSES = {aten.mse_loss.default: 2, aten.smooth_l1_loss.default: 2, aten.huber_
            aten.kl_div.default: 2, aten.soft_margin_loss.default: 2, aten.binary_cross_entropy.default: 3,
            aten.binary_cross_entropy_with_logits.default: 4, aten.nll_loss_forward.default: 3,
            aten.nll_loss2d_forward.default: 3}
+NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)  # what F.cross_entropy lowers to
 _SUMS = (aten.sum.default, aten.sum.dim_IntList)
 _MEANS = (aten.mean.default, aten.mean.dim)
 # ops that pass a reduced value on unchanged up to a constant factor
@@ -181,7 +182,7 @@ def _mixes(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froz
     if f.reduced and node.target not in _LOSSES:
         return ("it computes per-sample values together with a statistic over the batch's samples (as "
                 "BatchNorm does in training)")
-    if any(facts[a].reduced for a in node.all_input_nodes if a in facts and node.target is not operator.getitem):
+    if node.target is not operator.getitem and any(facts[a].reduced for a in node.all_input_nodes if a in facts):
         return "it combines per-sample values with a statistic over the batch's samples (e.g. `x - x.mean(0)`)"
     if node.target in _MIXING_DIM and _mixing_dim_is_batch(node, symbols):
         return "it mixes samples along the batch dimension (e.g. a softmax or a cumulative sum over it)"
@@ -278,8 +279,7 @@ def _reduction_form(node: fx.Node) -> str | None:
         reduction = node.args[k] if len(node.args) > k else node.kwargs.get("reduction", _MEAN_REDUCTION)
         if reduction == _SUM_REDUCTION:
             return SUM
-        nll = node.target in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-        return ITEMS if nll else MEAN
+        return ITEMS if node.target in NLL else MEAN
     return None
 
 

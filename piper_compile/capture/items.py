@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from piper_compile.capture.decompose import SUM, ancestors, batch_terms
+from piper_compile.capture.decompose import NLL, SUM, ancestors, batch_terms
 from piper_compile.capture.joint import BUFFER, INPUT, SYM, InputSpec, JointGraph
 
 aten = torch.ops.aten
-_NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN = 1  # torch's Reduction::Mean
 _LEAVES = (INPUT, SYM, BUFFER)  # what a loss's target and class weights may be computed from
 
@@ -128,7 +127,7 @@ def is_sum_over_batch(joint: JointGraph) -> bool:
 
 
 def _mean_nll(n: Any) -> bool:
-    return isinstance(n, fx.Node) and n.target in _NLL and n.args[3] == _MEAN
+    return isinstance(n, fx.Node) and n.target in NLL and n.args[3] == _MEAN
 
 
 def find_item_count(joint: JointGraph) -> ItemCount | None:
