@@ -165,8 +165,10 @@ def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
     got = [step(*_batch(s), *extra).item() for s in range(3)]
     kw = {"count": count} if kind == "sum_by_count" else {}
     assert got == pytest.approx(_eager(ref, 1, steps=3, **kw), rel=1e-5)
+    # a sum's gradients are the whole batch's, not a mean's: four pieces' rounding differs from one
+    # batch's by ~1e-5 of a weight after three SGD steps (a wrong weighing is off by 2x or more)
     for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_a_hand_written_masked_mean_trains_as_eager_even_with_an_empty_micro_batch() -> None:
