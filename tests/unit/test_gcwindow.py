@@ -84,7 +84,7 @@ def test_no_window_with_the_knob_off_or_the_collector_off(monkeypatch, why):
         gc.enable()
 
 
-@pytest.mark.parametrize("entry", ["piper.compile", "torch.compile"])
+@pytest.mark.parametrize("entry", ["piper.compile", pytest.param("torch.compile", marks=pytest.mark.slow)])  # slow: keeps the fast subset under 5 min
 def test_a_step_s_first_call_in_each_grad_mode_runs_in_the_window(monkeypatch, entry):
     """Under piper.compile the window opens before Dynamo's trace; under torch.compile(backend="piper")
     at the step's first call (capture, planning, loading code). Later calls run without one."""

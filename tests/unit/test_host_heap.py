@@ -25,5 +25,6 @@ def test_sets_thresholds_once() -> None:
     assert keep_host_heap() is True
 
 
+@pytest.mark.slow  # a child process; keeps the fast subset under 5 min
 def test_opt_out() -> None:
     assert _probe(PIPER_KEEP_HEAP="0") == "False False"

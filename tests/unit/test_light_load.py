@@ -108,6 +108,7 @@ _FLAGS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process; keeps the fast subset under 5 min
 def test_the_debug_flags_stand_in_reads_as_the_real_module_until_it_is_imported():
     out = subprocess.run([sys.executable, "-c", _FLAGS], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -67,6 +67,7 @@ def test_norm_shared_by_whole_and_split_activations_goes_through_tp_copy():
     assert partial == {"out.bias"}
 
 
+@pytest.mark.slow  # keeps the fast subset under 5 min
 def test_simulation_and_text_of_sequence_parallel_plan():
     p = _plan([piper.split(2), piper.shard_tensor(TP, sequence_parallel=True)])
     text = p.text()
