@@ -42,6 +42,10 @@ class MicroCounts:
     counts: tuple[float, ...]
     full: bool
     agree: bool = True
+    # what each micro-batch's seed is its share of: its count, or 1 where a hand-written count is 0 (its
+    # forward divides by 1 there: ``guard_empty_counts``), so its sum is added over the global count as
+    # eager adds it (0 where the sum is masked by the same mask; not where it is ``l.sum() / mask.sum()``)
+    seeded: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,9 @@ class ItemCount:
         per_part = [host[i * m:(i + 1) * m] for i in range(len(self.parts))]
         agree = all(math.isclose(a, b, rel_tol=1e-6) for other in per_part[1:] for a, b in zip(per_part[0], other))
         even = len(set(per_part[0])) <= 1  # a label per sample row, not a selection of varying size
-        return MicroCounts(tuple(per_part[0]), host[-1] == 0 and even, agree)
+        hand_written = self.parts[0].ignore_index is None
+        seeded = tuple(1.0 if hand_written and c == 0 else c for c in per_part[0])
+        return MicroCounts(tuple(per_part[0]), host[-1] == 0 and even, agree, seeded)
 
 
 def _total(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +189,11 @@ def _subgraph(g: fx.Graph, needed: set[fx.Node], roots: list[fx.Node], weighted:
 
 def guard_empty_counts(joint: JointGraph) -> None:
     """Where the loss is a hand-written masked mean (``sum / count``), divide by 1 where a piece's count is
-    0: such a piece weighs 0 in the step (its share of the global count), but ``0 / 0`` in its forward would
-    put NaN into its gradients through the seed (``0 * inf``). Pieces with items, and a whole batch with
-    items, compute exactly as written; a step whose global count is 0 still gives NaN, as eager does."""
+    0: ``0 / 0`` in its forward would put NaN into its gradients. Such a piece is seeded with ``1 / C`` of
+    the global count ``C`` (``MicroCounts.seeded``), so its sum adds up as in eager's ``sum / C``: nothing
+    where the sum is masked by the same mask, its rows' share where it is not (``l.sum() / mask.sum()``).
+    Pieces with items, and a whole batch with items, compute exactly as written; a step whose global
+    count is 0 still gives NaN, as eager does."""
     g = joint.gm.graph
     for count in [n for n in g.nodes if n.name in batch_terms(joint).items and not _mean_nll(n)]:
         _divide_by_one_where_empty(joint, count)

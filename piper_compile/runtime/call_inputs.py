@@ -68,7 +68,7 @@ def call_check(joint: JointGraph, form: LossForm, args: tuple[Any, ...], ids: tu
     mode = NO_ITEMS if counts is None else ALL_ITEMS if counts.full else SOME_ITEMS
     record = CallRecord(*ids, batch, len(args), forward_only, batch_print(joint, args, layout) if world > 1 else 0,
                         sum(counts.counts) if counts else 0.0, mode)
-    per_mb = counts.counts if counts else ()
+    per_mb = counts.seeded if counts else ()
     if ids[2] < 0:
         return CallCheck.alone(record, layout.microbatches, per_mb, form.additive)
     return CallCheck(record, layout, rank, world, timeout_s, per_mb, form.additive)

@@ -177,7 +177,8 @@ class Weights:
 def items_weights(layout: CallLayout, items: list[float], counts: tuple[float, ...]) -> Weights:
     """A loss that is a mean over items (``capture/items.py``): micro-batch ``k`` of this rank, holding
     ``counts[k]`` of the global batch's ``C`` items, is seeded with ``counts[k] / C`` (each replica's
-    total counted once, though its tensor-parallel ranks all hold the loss)."""
+    total counted once, though its tensor-parallel ranks all hold the loss; ``counts[k]`` is 1 for an
+    empty piece of a hand-written masked mean, which divides by 1: ``capture/items.MicroCounts.seeded``)."""
     total = sum(items[h] for h in layout.holders) / layout.tp
     seeds = tuple(c / total if total else float("nan") for c in counts)
     return Weights(seeds[0] if seeds else 0.0, 1.0, seeds, layout.tp)  # no counts: this rank holds no loss

@@ -40,6 +40,7 @@ class Net(nn.Module):
         mask, keep = (y[:, 0] > -1).float(), y[:, 0] > -1
         return {
             "masked": lambda: ((o - y).pow(2).mean(-1) * mask).sum() / mask.sum(),
+            "masked_apart": lambda: (o - y).pow(2).mean(-1).sum() / mask.sum(),  # every row over the kept count
             "masked_by_output": lambda: (o - y).pow(2).mean(-1).sum() / (o[:, 0] > 0).float().sum(),
             "masked_plus": lambda: ((o - y).pow(2).mean(-1) * mask).sum() / mask.sum() + o.pow(2).mean(),
             "product": lambda: F.mse_loss(o, y) + o.mean() * h.mean(),
@@ -171,13 +172,15 @@ def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-5)
 
 
-def test_a_hand_written_masked_mean_trains_as_eager_even_with_an_empty_micro_batch() -> None:
+@pytest.mark.parametrize("kind", ["masked", "masked_apart"])
+def test_a_hand_written_masked_mean_trains_as_eager_even_with_an_empty_micro_batch(kind: str) -> None:
     """``(loss * mask).sum() / mask.sum()``: each micro-batch weighs its count's share of the global count
     (``capture/items.py``). Micro-batch 0 of step 0 has no kept rows: it weighs nothing, and its ``0 / 0``
     divides by 1 instead, so no NaN reaches the gradients. Before: refused; before that, a plausible wrong
-    loss (micro-batch means averaged) or NaN."""
+    loss (micro-batch means averaged) or NaN. Where the sum is not masked (``masked_apart``), that
+    micro-batch's sum is still added over the global count (before: left out, 1.48 against eager's 6.79)."""
     torch.manual_seed(0)
-    model = Net("masked")
+    model = Net(kind)
     ref = copy.deepcopy(model)
     step = piper.compile(model, directives=[piper.split(4)], codegen="eager", optimizer=SGD)
     opt = SGD(ref.parameters())
