@@ -63,6 +63,9 @@ _MIXING_DIM = {aten._softmax.default: 1, aten._log_softmax.default: 1, aten.cums
                aten.cumprod.default: 1, aten.logcumsumexp.default: 1, aten.cummax.default: 1,
                aten.cummin.default: 1, aten.sort.default: 1, aten.sort.stable: 2, aten.roll.default: 2,
                aten.flip.default: 1}
+# of those, the ones whose integer results still relate samples (a token's place in its expert's queue,
+# ``one_hot(route).cumsum(0)``); an integer sort or flip over the batch only permutes it (dispatch by expert)
+_COUNTING = (aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default)
 
 
 @dataclass
@@ -176,8 +179,14 @@ def _carries(size: Any, symbols: frozenset[Any]) -> bool:
 
 
 def _mixes(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: frozenset[Any]) -> str | None:
-    """Rule 1: a batched float value computed from a statistic of the batch, or mixed along it."""
-    if not f.batched or not any(t.is_floating_point() for t in _tensors(node.meta.get("val"))):
+    """Rule 1: a batched float value computed from a statistic of the batch, or mixed along it; or the
+    samples' values counted along it (an expert's capacity)."""
+    if not f.batched:
+        return None
+    if not any(t.is_floating_point() for t in _tensors(node.meta.get("val"))):
+        if f.data and node.target in _COUNTING and _mixing_dim_is_batch(node, symbols):
+            return ("it counts along the batch dimension by the samples' values (e.g. a token's place in its "
+                    "expert's queue for a capacity, `one_hot(route).cumsum(0)`): each piece would count its own")
         return None
     if f.reduced and node.target not in _LOSSES:
         return ("it computes per-sample values together with a statistic over the batch's samples (as "

@@ -35,7 +35,9 @@ class Net(nn.Module):
             x = x.index_add(0, picked, torch.tanh(x[picked]))
         h = self.a(x)
         h = {"batchnorm": lambda: self.bn(h), "center": lambda: h - h.mean(0),
-             "softmax": lambda: h * F.softmax(h, dim=0), "cumsum": lambda: h.cumsum(0)}.get(k, lambda: h)()
+             "softmax": lambda: h * F.softmax(h, dim=0), "cumsum": lambda: h.cumsum(0),
+             "capacity": lambda: h * _within_capacity(h.argmax(-1), 16, 1).unsqueeze(-1),
+             "sorted_dispatch": lambda: _by_route(h, h.argmax(-1))}.get(k, lambda: h)()
         o = self.b(torch.relu(h))
         mask, keep = (y[:, 0] > -1).float(), y[:, 0] > -1
         return {
@@ -62,6 +64,18 @@ class Net(nn.Module):
         }.get(k, lambda: F.mse_loss(o, y))()
 
 
+def _within_capacity(route: torch.Tensor, experts: int, capacity: int) -> torch.Tensor:
+    """1.0 for a row within its expert's capacity, 0.0 for one dropped (GShard/Switch style)."""
+    onehot = F.one_hot(route, experts)
+    return ((onehot.cumsum(0) * onehot).sum(-1) <= capacity).float()
+
+
+def _by_route(h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert, transformed, put back in place: an integer sort only permutes the batch."""
+    order = route.argsort(stable=True)
+    return torch.zeros_like(h).index_copy(0, order, torch.tanh(h[order]))
+
+
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
@@ -72,6 +86,7 @@ REFUSED = {
     "center": ("sub.Tensor", "h - h.mean(0)", "combines per-sample values with a statistic"),
     "softmax": ("_softmax", "F.softmax(h, dim=0)", "mixes samples along the batch dimension"),
     "cumsum": ("cumsum", "h.cumsum(0)", "mixes samples along the batch dimension"),
+    "capacity": ("cumsum", "onehot.cumsum(0)", "counts along the batch dimension by the samples' values"),
     "selected_mse": ("mse_loss", "F.mse_loss(o[keep], y[keep])", "averages samples selected by their values"),
     "masked_by_output": ("div.Tensor", "(o[:, 0] > 0)", "not a count known before the step"),
     "masked_plus": ("add.Tensor", "mask.sum() + o.pow(2).mean()", "adds other terms to a sum divided by a count"),
@@ -149,13 +164,15 @@ def test_what_adds_up_is_told_apart(kind: str, form: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["sum_by_count", "sums", "mean_and_const", "one_minus", "stacked",
-                                  "sum_over_batch_size", "selected_sum", "selected_ce", "dispatch"])
+                                  "sum_over_batch_size", "selected_sum", "selected_ce", "dispatch",
+                                  "sorted_dispatch"])
 def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
     """``sum / count`` with the count passed in (transformers' ``num_items_in_batch``): each piece's sum over
     the global count adds up. Before, it was weighed as a mean: its loss and gradients a quarter of eager's.
     Rows selected by value (``x[mask]``, ``nonzero``) stay per sample: their sum adds up, a cross-entropy
     over them is a mean over the rows each piece selects (weighed by its count), and rows routed out and
-    back are untouched by the cut. Before, ``selected_ce`` crashed in planning (a size known only at run
+    back, or sorted by route and put back (an integer sort only permutes the batch), are untouched by the
+    cut. Before, ``selected_ce`` crashed in planning (a size known only at run
     time has no hint) and, past that, weighed its micro-batches by samples."""
     torch.manual_seed(0)
     model = Net(kind)
