@@ -218,6 +218,11 @@ def _term(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts], symbols: froze
     if all(facts[a].batched for a in data_in):
         f.form = _reduction_form(node)
         f.items = (node,) if f.form == ITEMS else ()
+        if f.form == ITEMS and not _labels_known(node, facts):
+            return ("the loss is a mean over labels that the model's own outputs choose (a target indexed by, or "
+                    "set to ignore_index by, a prediction): each piece would average over its own labels, whose "
+                    "count is not known before the step. Average over the samples instead, "
+                    "`(F.cross_entropy(o, t, reduction=\"none\") * keep).sum() / len(t)`")
         if f.form == MEAN and any(_selected(a) for a in data_in):
             return ("the loss averages samples selected by their values (`x[mask].mean()`, a mean-reduced loss "
                     "of `pred[mask]`): each piece would average its own selection. Write it as a masked mean, "
@@ -269,6 +274,12 @@ def _ratio(node: fx.Node, f: _Facts, facts: dict[fx.Node, _Facts]) -> str | None
     return ("the loss divides a sum over the batch by a value computed from the batch that is not a count "
             "known before the step (a sum of inputs, as in `(loss * mask).sum() / mask.sum()`), which is not the "
             "weighted sum of its pieces' values")
+
+
+def _labels_known(nll: fx.Node, facts: dict[fx.Node, _Facts]) -> bool:
+    """Whether a cross-entropy's target and class weights come from inputs, buffers and sizes only: then
+    each piece's label count is replayed before the step (``capture/items.py``)."""
+    return all(facts[a].known for a in nll.args[1:3] if isinstance(a, fx.Node) and a in facts)
 
 
 def _selected(node: fx.Node) -> bool:

@@ -55,6 +55,10 @@ class Net(nn.Module):
             "sum_by_count": lambda: F.mse_loss(o, y, reduction="sum") / count,
             "selected_sum": lambda: (o - y).pow(2).mean(-1)[keep].sum(),
             "selected_ce": lambda: F.cross_entropy(o[keep], y.argmax(-1)[keep]),
+            "ce_by_output": lambda: F.cross_entropy(o[o[:, 0] > 0], y.argmax(-1)[o[:, 0] > 0]),
+            "ce_ignore_by_output": lambda: F.cross_entropy(o, torch.where(o[:, 0] > 0, y.argmax(-1), -100)),
+            "ce_kept_by_output": lambda: (F.cross_entropy(o, y.argmax(-1), reduction="none")
+                                          * (o[:, 0] > 0)).sum() / len(y),  # what the refusal advises
             "selected_mse": lambda: F.mse_loss(o[keep], y[keep]),
             "sums": lambda: (o - y).pow(2).sum() + 0.5 * (o - y).abs().sum() * 2,
             "mean_and_const": lambda: F.mse_loss(o, y) + 0.1 * self.a.weight.pow(2).sum(),
@@ -86,6 +90,8 @@ REFUSED = {
     "center": ("sub.Tensor", "h - h.mean(0)", "combines per-sample values with a statistic"),
     "softmax": ("_softmax", "F.softmax(h, dim=0)", "mixes samples along the batch dimension"),
     "cumsum": ("cumsum", "h.cumsum(0)", "mixes samples along the batch dimension"),
+    "ce_by_output": ("nll_loss_forward", "F.cross_entropy(o[o[:, 0] > 0]", "labels that the model's own outputs"),
+    "ce_ignore_by_output": ("nll_loss_forward", "torch.where(o[:, 0] > 0", "labels that the model's own outputs"),
     "capacity": ("cumsum", "onehot.cumsum(0)", "counts along the batch dimension by the samples' values"),
     "selected_mse": ("mse_loss", "F.mse_loss(o[keep], y[keep])", "averages samples selected by their values"),
     "masked_by_output": ("div.Tensor", "(o[:, 0] > 0)", "not a count known before the step"),
@@ -165,7 +171,7 @@ def test_what_adds_up_is_told_apart(kind: str, form: str) -> None:
 
 @pytest.mark.parametrize("kind", ["sum_by_count", "sums", "mean_and_const", "one_minus", "stacked",
                                   "sum_over_batch_size", "selected_sum", "selected_ce", "dispatch",
-                                  "sorted_dispatch"])
+                                  "sorted_dispatch", "ce_kept_by_output"])
 def test_what_adds_up_trains_as_eager_with_micro_batches(kind: str) -> None:
     """``sum / count`` with the count passed in (transformers' ``num_items_in_batch``): each piece's sum over
     the global count adds up. Before, it was weighed as a mean: its loss and gradients a quarter of eager's.
