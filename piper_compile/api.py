@@ -10,7 +10,7 @@ from torch import nn
 from piper_compile.backend import CompiledStep
 from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
-from piper_compile.capture.dynamo import capture_settings, trace
+from piper_compile.capture.dynamo import capture_settings, one_graph_errors, trace
 from piper_compile.gcwindow import young_only
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
@@ -220,7 +220,7 @@ def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool
             if st is not None:
                 st.unmark_released()  # before Dynamo's guards read the parameters' classes
             try:
-                with capture_settings(args, kwargs):
+                with capture_settings(args, kwargs), one_graph_errors(model):
                     return flat_on_failure(model, lambda: traced(*args, **kwargs)) if marked else traced(*args, **kwargs)
             finally:
                 st = st or state_of_module(model)

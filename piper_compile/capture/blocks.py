@@ -118,11 +118,12 @@ def flat_on_failure(model: nn.Module, run: Callable[[], Any]) -> Any:
         if isinstance(e, BackendCompilerFailed) or not any(_marked(type(m)) for m in model.modules()):
             raise  # piper's own error (the trace got through), or nothing to unmark
         unmark_blocks(model)
+        out = run()  # where this fails too, the failure is the model's own: raised without the warning
         warnings.warn(f"piper: Dynamo could not trace the repeated blocks of {type(model).__name__} as nested "
-                      f"compile regions ({type(e).__name__}: {str(e).splitlines()[0][:200]}); tracing them one by "
+                      f"compile regions ({type(e).__name__}: {str(e).splitlines()[0][:200]}); traced them one by "
                       "one (slower first step, same training; PIPER_NESTED_REGIONS=off skips the attempt)",
                       stacklevel=3)
-        return run()
+        return out
 
 
 def repeated_lists(model: nn.Module) -> list[str]:

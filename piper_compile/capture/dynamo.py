@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -11,6 +13,7 @@ import torch
 from torch import fx, nn
 
 from piper_compile.capture.joint import source_names
+from piper_compile.errors import PiperCaptureError
 
 
 @dataclass
@@ -84,6 +87,49 @@ def capture_settings(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[
         dynamo_config.specialize_float = False
 
 
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(\S.*)')
+
+
+@contextlib.contextmanager
+def one_graph_errors(model: nn.Module) -> Iterator[None]:
+    """Dynamo's failure to trace ``model``'s step as one graph (``fullgraph``: a branch on a tensor's value,
+    a call it cannot trace) as a ``piper:`` error naming the user's line, the reason and the ways out
+    (``adapt_moe`` where the line is in a transformers MoE block), with Dynamo's own message after it;
+    piper's own errors and everything else pass as they are."""
+    from torch._dynamo.exc import Unsupported, UserError
+
+    try:
+        yield
+    except (Unsupported, UserError) as e:
+        raise PiperCaptureError(_one_graph_message(str(e), model)) from e
+
+
+def _moe_hint(files: set[str], model: nn.Module) -> str:
+    """Where Dynamo stopped inside a mixture-of-experts block ``adapt_moe`` can replace: say so."""
+    from piper_compile.nn.hf import _moe_blocks
+
+    hit = [f"{name} ({type(m).__name__})" for name, m in _moe_blocks(model)
+           if getattr(sys.modules.get(type(m).__module__), "__file__", None) in files]
+    return (f" The line is in the mixture-of-experts block {hit[0]}, whose Python loop over the experts "
+            "hit cannot be one graph: call `piper_compile.nn.hf.adapt_moe(model)` before compiling, which "
+            "computes the same experts in one op (and lets `shard({'EP': ...})` shard them).") if hit else ""
+
+
+def _one_graph_message(text: str, model: nn.Module) -> str:
+    frames = _USER_FRAME.findall(text.split("from user code:")[-1])
+    where = f" at {frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}: `{frames[-1][3].strip()}`" if frames else ""
+    reason = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    reason = reason.replace("Consider annotating your code using torch._check*(). ", "")[:240]
+    hint = _moe_hint({f[0] for f in frames}, model)
+    return (f"piper: Dynamo cannot trace the training step as one graph{where} ({reason}).{hint} piper captures the "
+            "whole step (forward and loss) as one graph, so the forward cannot branch on a tensor's value "
+            "(`if x.sum() > 0:`, `if loss.item() > t:`, or a check such as `torch.any(var < 0)` inside a torch "
+            "function like `F.gaussian_nll_loss`) nor call what Dynamo cannot trace (file I/O, `print` of a "
+            "tensor). Write the branch with tensor ops (`torch.where`, `torch.clamp`), state what holds with "
+            "`torch._check`, move the check out of the model's forward, or write the loss without that function. "
+            f"Dynamo's message:\n{text}")
+
+
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Traced:
     """Dynamo's graph of ``model(*args, **kwargs)`` (whole, symbolic batch); runs nothing and leaves no
     Dynamo cache entry on the model's code."""
@@ -93,6 +139,6 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None
         captured.update(gm=gm, inputs=list(example_inputs), sources=source_names(gm))
         return lambda *a: (torch.zeros(()),)  # only the graph is needed: run nothing
 
-    with forward_of_its_own(model), capture_settings(args, kwargs or {}):
+    with forward_of_its_own(model), capture_settings(args, kwargs or {}), one_graph_errors(model):
         torch.compile(model, backend=stash, fullgraph=True, dynamic=True)(*args, **(kwargs or {}))
     return Traced(captured["gm"], captured["inputs"], captured["sources"])

@@ -301,7 +301,7 @@ def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch
         step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
         if (mode, tempered) == ("auto", True):
             assert any(isinstance(m, blocks._Region) for m in model.modules())
-            with pytest.warns(UserWarning, match="tracing them one by one"):
+            with pytest.warns(UserWarning, match="traced them one by one"):
                 losses = [float(step(*batch).detach())]
             assert not any(isinstance(m, blocks._Region) for m in model.modules())
         else:
@@ -331,7 +331,7 @@ def test_hf_families_trace_their_layers_as_regions_and_train_like_flat(monkeypat
         batch = model.make_batch(4, torch.Generator().manual_seed(0))
         step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
         with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*tracing them one by one.*")
+            warnings.filterwarnings("error", message=".*traced them one by one.*")
             losses = [float(step(*batch).detach()) for _ in range(2)]
         runs[mode] = (losses, piper.compiled_steps(step)[0].joint.region_calls)
     assert runs["auto"][1] == 8 and runs["off"][1] == 0  # 4 layers, forward and backward
