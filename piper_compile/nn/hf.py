@@ -4,7 +4,8 @@ transformers' sparse MoE blocks (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeB
 compute their experts with a Python loop over the experts that were hit (``expert_hit = (...).nonzero()``,
 then ``torch.where`` per expert; DeepSeek-V3 branches on ``token_indices.numel() > 0``): data-dependent
 control flow and shapes. Dynamo cannot trace that into one
-graph -- with ``fullgraph=True`` the first call fails inside transformers, before piper sees anything::
+graph -- with ``fullgraph=True`` the first call fails inside transformers, where Dynamo raises (piper
+reports it as a ``piper:`` error naming the block and :func:`adapt_moe`, ``capture/dynamo.one_graph_errors``)::
 
     torch._dynamo.exc.UserError: Could not extract specialized integer from data-dependent expression u0
     Caused by: for expert_idx in expert_hit:  # transformers/models/qwen3_moe/modeling_qwen3_moe.py:250
@@ -272,9 +273,9 @@ def adapt_moe(model: nn.Module) -> nn.Module:
     makes them all expert parallel; other tags already on the block are kept.
 
     Why: transformers computes the experts in a Python loop over ``(...).nonzero()`` with ``torch.where``;
-    compiling the unadapted model with ``fullgraph=True`` fails in Dynamo before piper runs
-    (``torch._dynamo.exc.UserError: Could not extract specialized integer from data-dependent expression
-    ... Caused by: for expert_idx in expert_hit``); :func:`unadapted_moe_blocks` names the blocks.
+    compiling the unadapted model with ``fullgraph=True`` fails in Dynamo (``Could not extract specialized
+    integer from data-dependent expression ... Caused by: for expert_idx in expert_hit``; ``piper.compile``
+    says so naming the block and this function); :func:`unadapted_moe_blocks` names the blocks.
 
     Call it before ``torch.compile`` and before building an optimizer over ``model.parameters()``: the
     per-expert parameters are replaced by three stacked ones per block (:func:`hf_state_dict` maps back to
