@@ -11,13 +11,14 @@ the per-piece meaning (what DDP computes).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
 from piper_compile.capture.decompose import batch_problem
-from piper_compile.capture.joint import JointGraph, describe_op, has_batch
+from piper_compile.capture.joint import INPUT, JointGraph, describe_op, has_batch
 from piper_compile.errors import PiperError
 
 
@@ -55,4 +56,28 @@ def refuse_coupling(joint: JointGraph, layout: Callable[[], Any]) -> None:
         f"piper: {what}. This plan cuts the batch into {cut}, and each piece would see only its own samples, "
         "so the step would differ from single-device training on the global batch. Train this model with one "
         "micro-batch on one replica, or pass options['local_batch_ops'] = True to accept that each micro-batch "
-        "and replica computes it over its own samples (as DDP would).")
+        f"and replica computes it over its own samples (as DDP would).{_batch_note(joint)}")
+
+
+def _batch_note(joint: JointGraph) -> str:
+    """Where tensor inputs are passed whole (their dim 0 is not the batch's size), which inputs piper cuts:
+    a sequence-first layout, ``(time, batch, ...)``, reads as a batch of time steps."""
+    placeholders = joint.dynamo_gm.graph.find_nodes(op="placeholder")
+    cut, whole = [], []
+    for spec in (s for s in joint.inputs if s.kind == INPUT and s.arg_index is not None):
+        val = placeholders[spec.arg_index].meta.get("example_value")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            size = val.shape[0]
+            size = size.node.hint if isinstance(size, torch.SymInt) else size
+            (cut if spec.batched else whole).append(f"`{_short(spec.name)}` ({size})")
+    if not (cut and whole):
+        return ""
+    return (f" piper cuts the inputs along dim 0 ({', '.join(cut)}) and passes {', '.join(whole)} whole to "
+            "every piece: where the batch is another dimension of your inputs (a sequence-first layout, "
+            "`(time, batch, ...)`), move it to dim 0.")
+
+
+def _short(source: str) -> str:
+    """``L['x']`` -> ``x``; other source names as they are."""
+    keys = re.findall(r"\['([^']+)'\]", source)
+    return keys[-1] if keys else source

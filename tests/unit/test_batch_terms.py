@@ -116,6 +116,30 @@ def test_a_step_that_does_not_add_up_is_refused_where_the_batch_is_cut(kind: str
     msg = str(err.value)
     assert msg.startswith("piper: the step does not add up over pieces of the batch: at ") and op in msg \
         and line in msg and rule in msg and "into 2 micro-batches" in msg and "local_batch_ops" in msg, msg
+    assert "move it to dim 0" not in msg  # every input is cut: no note on the layout
+
+
+class SeqFirst(nn.Module):
+    """A sequence-first encoder, ``x: (time, batch, 8)``, with per-sample targets ``y: (batch, 4)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(self.enc(x)[-1]), y)
+
+
+def test_a_sequence_first_layout_is_named_in_the_refusal() -> None:
+    """piper cuts dim 0: a ``(time, batch, ...)`` input reads as a batch of time steps. The refusal says
+    which inputs it cut and which it passed whole, and to move the batch to dim 0 (before: only the op,
+    ``out[-1]``, as a statistic of the batch, which misled)."""
+    torch.manual_seed(0)
+    step = piper.compile(SeqFirst(), directives=[piper.split(2)], codegen="eager", optimizer=SGD)
+    with pytest.raises(piper.PiperError) as err:
+        step(torch.randn(6, 4, 8), torch.randn(4, 4))
+    assert "piper cuts the inputs along dim 0 (`x` (6)) and passes `y` (4) whole" in str(err.value), str(err.value)
+    assert "move it to dim 0" in str(err.value)
 
 
 def test_data_parallel_plans_are_refused_too() -> None:
