@@ -10,7 +10,7 @@ from torch import nn
 from piper_compile.backend import CompiledStep
 from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
-from piper_compile.capture.dynamo import capture_settings, one_graph_errors, trace
+from piper_compile.capture.dynamo import capture_settings, give_own_forward, one_graph_errors, trace
 from piper_compile.gcwindow import young_only
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import TrainingDAG
@@ -246,6 +246,10 @@ def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Mod
     ``piper.optimizer(step)`` and ``model.state_dict()`` find the step's training state."""
     opts = {**options, "directives": list(directives)}
     marked = _mark_blocks(model, opts)
+    # Dynamo keeps at most recompile_limit (8) compiled entries per code object, and each piper.compile
+    # adds one (its backend is new): the 9th model of a class compiled in one process raised
+    # FailOnRecompileLimitHit. A forward of its own takes this model's entries, and they go with it.
+    give_own_forward(model)
     compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
     compiled.forward = _compiled_forward(compiled.forward, model, marked)
     linked = link(model, opts)

@@ -48,11 +48,20 @@ def recompile_reason() -> str | None:
     return reason
 
 
+_LAST: list[str] = []  # the guard the latest recompile named (for the error at Dynamo's recompile limit)
+
+
+def last_guard() -> str | None:
+    """The guard the latest recompile of a piper step named, in the user's terms; None before any."""
+    return _LAST[-1] if _LAST else None
+
+
 def say_recompile(reason: str, reused: bool) -> None:
     """The one line a recompile prints: the guard that failed, and what piper does about it."""
     grad_mode = "grad_mode" in reason  # Dynamo names the first failing guard of its newest version only
     what = ("a guard failed (TORCH_LOGS=recompiles names it)" if grad_mode else
             f"a guard failed: {' '.join(reason.split(chr(10))[0].split())}")
+    _LAST[:] = [what]
     then = ("Dynamo traced the same graph again, so piper reuses its capture, plan and compiled segments (only "
             "Dynamo's trace was repeated)" if reused else
             "piper captures, plans and compiles the new version at its next call")

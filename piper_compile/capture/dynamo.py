@@ -35,18 +35,11 @@ def forward_of_its_own(model: nn.Module) -> Iterator[None]:
     ``FailOnRecompileLimitHit`` and the user's own ``torch.compile(model)`` found the budget spent. The copy
     (same globals, closure, defaults and source lines, so the same graph and source names) takes the entry
     and is dropped afterwards with it."""
-    bound = model.forward
-    func = getattr(bound, "__func__", None)
-    if not isinstance(bound, types.MethodType) or not isinstance(func, types.FunctionType):
-        yield  # not a plain method (a callable object, a builtin): compile it as it is
-        return
-    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                             func.__closure__)
-    own.__kwdefaults__ = func.__kwdefaults__
-    own.__dict__.update(func.__dict__)
     had = "forward" in model.__dict__
     before = model.__dict__.get("forward")
-    model.__dict__["forward"] = types.MethodType(own, model)  # found before the class's forward
+    if not give_own_forward(model):
+        yield  # not a plain method (a callable object, a builtin): compile it as it is
+        return
     try:
         yield
     finally:
@@ -54,6 +47,24 @@ def forward_of_its_own(model: nn.Module) -> Iterator[None]:
             model.__dict__["forward"] = before
         else:
             del model.__dict__["forward"]
+
+
+def give_own_forward(model: nn.Module) -> bool:
+    """Make ``model.forward`` (an instance attribute, found before the class's) a copy of its function with a
+    code object of its own (same globals, closure, defaults and source lines, so the same graph and source
+    names), where it is a plain method: Dynamo's compiled entries for ``model`` go on that code object, not
+    on the class's. Whether it did."""
+    bound = model.forward
+    func = getattr(bound, "__func__", None)
+    if not isinstance(bound, types.MethodType) or not isinstance(func, types.FunctionType):
+        return False
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__ = func.__kwdefaults__
+    own.__dict__.update(func.__dict__)
+    own.__qualname__ = func.__qualname__
+    model.__dict__["forward"] = types.MethodType(own, model)
+    return True
 
 
 def takes_floats(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -96,12 +107,28 @@ def one_graph_errors(model: nn.Module) -> Iterator[None]:
     a call it cannot trace) as a ``piper:`` error naming the user's line, the reason and the ways out
     (``adapt_moe`` where the line is in a transformers MoE block), with Dynamo's own message after it;
     piper's own errors and everything else pass as they are."""
-    from torch._dynamo.exc import Unsupported, UserError
+    from torch._dynamo import exc
 
+    limit_hit = getattr(exc, "FailOnRecompileLimitHit", ())  # named so since torch 2.6
     try:
         yield
-    except (Unsupported, UserError) as e:
+    except (exc.Unsupported, exc.UserError) as e:
         raise PiperCaptureError(_one_graph_message(str(e), model)) from e
+    except limit_hit as e:
+        raise PiperCaptureError(_limit_message()) from e
+
+
+def _limit_message() -> str:
+    from piper_compile.recompiles import last_guard
+
+    limit = torch._dynamo.config.recompile_limit
+    last = last_guard()
+    return (f"piper: Dynamo has compiled this model's step {limit} times (torch._dynamo.config.recompile_limit) "
+            "and refuses another version: something its guards check changed between calls"
+            f"{f' (the latest: {last})' if last else ''}. Keep the model's attributes and the non-tensor "
+            "arguments fixed between steps; pass a value that changes every step as an argument of forward (a "
+            "tensor, or a Python float, which stays an input); or raise the limit where the versions are few "
+            "and meant.")
 
 
 def _moe_hint(files: set[str], model: nn.Module) -> str:

@@ -170,3 +170,42 @@ def test_fused_adamw_training_matches_eager_per_tensor_adamw():
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class _Small(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.a, self.scale = torch.nn.Linear(8, 4), scale
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.a(x) * self.scale, y)
+
+
+def test_a_process_compiles_more_models_of_one_class_than_dynamos_limit(tmp_path):
+    """A sweep compiling a class's models one after another: Dynamo keeps at most ``recompile_limit`` (8)
+    entries per code object and every ``piper.compile`` adds one, so the 9th model raised
+    ``FailOnRecompileLimitHit`` (alike models or not). Each model's forward now has a code object of its
+    own. Each trains as eager, and a compiled model still deep-copies and saves as before."""
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    n = torch._dynamo.config.recompile_limit + 3
+    for i in range(n):
+        torch.manual_seed(i)
+        model = _Small(1.0 + 0.1 * (i % 2))
+        ref = copy.deepcopy(model)
+        step = piper.compile(model, directives=[piper.split(2)], codegen="eager",
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        got = [step(x, y).item() for _ in range(2)]
+        opt, want = torch.optim.SGD(ref.parameters(), lr=0.1), []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = ref(x, y)
+            loss.backward()
+            opt.step()
+            want.append(loss.item())
+        assert got == pytest.approx(want, rel=1e-6), i
+    twin = copy.deepcopy(model)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    for other in (twin, loaded):
+        assert torch.equal(other(x, y), model(x, y))
+        assert other.forward.__self__ is other  # bound to itself, not to the model it came from

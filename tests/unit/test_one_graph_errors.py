@@ -85,3 +85,36 @@ def test_an_unadapted_transformers_moe_is_pointed_to_adapt_moe() -> None:
     assert not [w for w in caught if "nested compile regions" in str(w.message)]  # the flat retry failed too
     assert "modeling_qwen3_moe.py" in head and "mixture-of-experts block model.layers." in head, head
     assert "(Qwen3MoeSparseMoeBlock)" in head and "piper_compile.nn.hf.adapt_moe(model)" in head, head
+
+
+class Tempered(nn.Module):
+    """A float attribute read in forward: Dynamo makes it a constant and guards it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.temp = nn.Linear(8, 4), 1.0
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.a(x) / self.temp, t)
+
+
+def test_the_recompile_limit_names_the_guard_and_the_fix(monkeypatch) -> None:
+    """An attribute changed before every step recompiles it each time (one line each); at Dynamo's limit the
+    error names the limit, the latest guard and the fix. Before: ``FailOnRecompileLimitHit: Hard failure
+    due to fullgraph=True``."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+    model = Tempered()
+    step = piper.compile(model, directives=[piper.split(2)], codegen="eager",
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    x, t = torch.randn(8, 8), torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recompile lines
+        for i in range(3):
+            model.temp = 1.0 + 0.1 * i
+            step(x, t)
+        model.temp = 2.0
+        with pytest.raises(PiperCaptureError) as err:
+            step(x, t)
+    msg = str(err.value)
+    assert msg.startswith("piper: Dynamo has compiled this model's step 3 times (torch._dynamo.config.recompile_limit)")
+    assert "self.temp == 1.1" in msg and "pass a value that changes every step as an argument of forward" in msg, msg
