@@ -68,6 +68,7 @@ def test_plan_names_the_line_and_the_fix() -> None:
     _check(err, "tensor_branch")
 
 
+@pytest.mark.slow  # ~4 s (transformers): keeps the fast subset under 5 min
 def test_an_unadapted_transformers_moe_is_pointed_to_adapt_moe() -> None:
     """Qwen3-MoE's expert loop (``for expert_idx in expert_hit``): the error names the block and
     ``adapt_moe``, which makes the same model capturable."""
