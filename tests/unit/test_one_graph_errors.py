@@ -99,11 +99,15 @@ class Tempered(nn.Module):
         return F.mse_loss(self.a(x) / self.temp, t)
 
 
-def test_the_recompile_limit_names_the_guard_and_the_fix(monkeypatch) -> None:
+def test_the_recompile_limit_names_the_guard_and_the_fix() -> None:
     """An attribute changed before every step recompiles it each time (one line each); at Dynamo's limit the
     error names the limit, the latest guard and the fix. Before: ``FailOnRecompileLimitHit: Hard failure
     due to fullgraph=True``."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+    with torch._dynamo.config.patch(recompile_limit=3):  # (monkeypatch's undo deletes a config entry)
+        _step_until_the_limit()
+
+
+def _step_until_the_limit() -> None:
     model = Tempered()
     step = piper.compile(model, directives=[piper.split(2)], codegen="eager",
                          optimizer=functools.partial(torch.optim.SGD, lr=0.1))
