@@ -216,6 +216,7 @@ def test_random_pipeline_plans_with_tied_weights_verify(stages: int, m: int, kin
     check_pipeline_plan("gpt", stages, m, kind, dp, 25.0)
 
 
+@pytest.mark.slow  # ~4.5 s: keeps the fast subset under 5 min
 @settings(max_examples=20, **SETTINGS)
 @given(plans)
 def test_forward_only_plans_verify(p: Case) -> None:

@@ -224,6 +224,7 @@ def test_bad_directives(raw: dict, match: str):
     assert str(e.value).startswith("piper:")
 
 
+@pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min
 def test_bad_filters_and_conflicts_name_the_directive():
     model = build_model("gpt", **{**GPT_CFG, "layers": 2})
     model.annotate_stages(2)  # type: ignore[operator]

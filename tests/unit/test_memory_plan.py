@@ -30,6 +30,7 @@ def _pp(schedule: str = "1f1b", m: int = 4) -> list:
     return [*piper.pipeline(2), piper.split(m), *sched(2, m)]
 
 
+@pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min
 def test_plan_memory_names_the_peak_step_and_its_values():
     mem = _pp()
     plan = _plan(mem)
@@ -57,6 +58,7 @@ def test_checkpointing_lowers_the_predicted_peak():
     assert ck < 0.5 * base
 
 
+@pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min
 def test_budget_rejects_a_plan_before_it_runs_naming_rank_step_and_contributors():
     need = max(m.figures.peak_total for m in _plan(_pp()).memory.values()) / MiB
     _plan(_pp(), memory_budget_mb=need * 1.01)  # fits

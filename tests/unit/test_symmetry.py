@@ -56,6 +56,7 @@ def _same_as_rank_by_rank(plan: piper.StaticPlan) -> None:
     assert {r: str(m) for r, m in by_class.items()} == {r: str(m) for r, m in by_rank.items()}
 
 
+@pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min
 def test_pp_times_dp_has_one_class_per_stage():
     plan = _plan(Candidate(pp=2, dp=3, schedule="1f1b", microbatches=2, zero=1))
     assert plan.programs.symmetry.classes == {0: (0, 2, 4), 1: (1, 3, 5)}

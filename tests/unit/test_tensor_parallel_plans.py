@@ -145,6 +145,7 @@ def test_groups_must_partition_the_region():
         _plan([piper.replicate(), piper.shard_tensor(TP, devices=[[0, 1]])], world=4)
 
 
+@pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min
 def test_graph_passes_are_named_timed_and_dumped(monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """shard_tensor's transforms of Dynamo's graph run as named graph passes under the driver's rules:
