@@ -106,6 +106,7 @@ def test_tied_weight_over_three_replicated_stages_folds_exactly():
     _same_as_rank_by_rank(plan)
 
 
+@pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min
 def test_a_deadlock_is_found_on_the_quotient_as_on_every_rank():
     """A representative's program that sends two messages of one channel in the wrong order deadlocks
     every rank of its class (the peer receives them in send order): the quotient reports it as the whole

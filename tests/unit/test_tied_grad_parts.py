@@ -39,6 +39,7 @@ def _gradient_sends(plan: piper.StaticPlan) -> tuple[list[str], list[str], list[
     return per_mb, parts, final
 
 
+@pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min
 def test_pp2_exchanges_the_tied_gradient_parts_once_per_step():
     plan = _plan([*piper.pipeline(2), *S.one_f_one_b(2, 4)])
     per_mb, parts, final = _gradient_sends(plan)
