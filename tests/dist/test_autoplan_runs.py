@@ -58,6 +58,9 @@ def test_autoplans_best_and_a_pipeline_choice_train_like_eager():
         for rank, out in enumerate(run_local(_train, 2, choice)):
             torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, c=choice: f"{c.candidate.label()} rank {rank}: {m}")
+            # AdamW divides by sqrt(v): a weight whose gradient is near 0 moves by a visible part of lr for a
+            # rounding-sized change of it (one of 4096 weights moved 2.1e-5 apart on this machine at lr 1e-2,
+            # the same before and after stop 47's changes); a wrongly weighed gradient moves every weight
             for name, p in ref["params"].items():
-                torch.testing.assert_close(out["params"][name], p, rtol=1e-4, atol=1e-5,
+                torch.testing.assert_close(out["params"][name], p, rtol=1e-4, atol=1e-4,
                                            msg=lambda m, n=name, c=choice: f"{c.candidate.label()} {n}: {m}")
