@@ -133,9 +133,9 @@ def _limit_message() -> str:
 
 def _moe_hint(files: set[str], model: nn.Module) -> str:
     """Where Dynamo stopped inside a mixture-of-experts block ``adapt_moe`` can replace: say so."""
-    from piper_compile.nn.hf import _moe_blocks
+    from piper_compile.nn.hf import moe_blocks
 
-    hit = [f"{name} ({type(m).__name__})" for name, m in _moe_blocks(model)
+    hit = [f"{name} ({type(m).__name__})" for name, m in moe_blocks(model)
            if getattr(sys.modules.get(type(m).__module__), "__file__", None) in files]
     return (f" The line is in the mixture-of-experts block {hit[0]}, whose Python loop over the experts "
             "hit cannot be one graph: call `piper_compile.nn.hf.adapt_moe(model)` before compiling, which "

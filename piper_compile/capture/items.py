@@ -42,10 +42,14 @@ class MicroCounts:
     counts: tuple[float, ...]
     full: bool
     agree: bool = True
-    # what each micro-batch's seed is its share of: its count, or 1 where a hand-written count is 0 (its
-    # forward divides by 1 there: ``guard_empty_counts``), so its sum is added over the global count as
-    # eager adds it (0 where the sum is masked by the same mask; not where it is ``l.sum() / mask.sum()``)
-    seeded: tuple[float, ...] = ()
+    hand_written: bool = False  # the counts are a masked mean's own count, not a cross-entropy's labels
+
+    @property
+    def seeded(self) -> tuple[float, ...]:
+        """What each micro-batch's seed is its share of: its count, or 1 where a hand-written count is 0
+        (its forward divides by 1 there: ``guard_empty_counts``), so its sum is added over the global count
+        as eager adds it (0 where the sum is masked by the same mask; not in ``l.sum() / mask.sum()``)."""
+        return tuple(1.0 if self.hand_written and c == 0 else c for c in self.counts)
 
 
 @dataclass(frozen=True)
@@ -87,8 +91,7 @@ class ItemCount:
         agree = all(math.isclose(a, b, rel_tol=1e-6) for other in per_part[1:] for a, b in zip(per_part[0], other))
         even = len(set(per_part[0])) <= 1  # a label per sample row, not a selection of varying size
         hand_written = self.parts[0].ignore_index is None
-        seeded = tuple(1.0 if hand_written and c == 0 else c for c in per_part[0])
-        return MicroCounts(tuple(per_part[0]), host[-1] == 0 and even, agree, seeded)
+        return MicroCounts(tuple(per_part[0]), host[-1] == 0 and even, agree, hand_written)
 
 
 def _total(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,8 @@ from piper_compile.capture.annotate import annotate
 from piper_compile.errors import PiperError
 from piper_compile.nn.moe import moe_experts
 
-__all__ = ["adapt_moe", "unadapted_moe_blocks", "hf_state_dict", "init_fn", "StackedMoE", "UnsupportedMoEError"]
+__all__ = ["adapt_moe", "moe_blocks", "unadapted_moe_blocks", "hf_state_dict", "init_fn", "StackedMoE",
+           "UnsupportedMoEError"]
 
 
 class UnsupportedMoEError(PiperError, ValueError):
@@ -237,8 +238,10 @@ def _moe_like(mod: nn.Module) -> bool:
     return isinstance(getattr(mod, "experts", None), nn.Module) or bool(_MOE_CLASS_NAME.search(type(mod).__name__))
 
 
-def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost MoE-like blocks of ``model`` (see :func:`_moe_like`) not adapted yet, in module order."""
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost mixture-of-experts blocks of ``model`` that are not :class:`StackedMoE` yet, as
+    ``(qualified name, module)`` in module order: what :func:`unadapted_moe_blocks` names, for callers that
+    need the modules themselves (piper's capture errors point at the block a failed trace stopped in)."""
     out: list[tuple[str, nn.Module]] = []
     for name, mod in model.named_modules():
         if any(name.startswith(f"{outer}.") for outer, _ in out if outer) or (out and out[0][0] == ""):
@@ -254,7 +257,7 @@ def unadapted_moe_blocks(model: nn.Module) -> list[str]:
     ``experts`` submodule or a class named like a MoE block (``...MoE``, ``...SparseMoeBlock``), whether
     :func:`adapt_moe` can adapt it or not. Dynamo cannot capture most of them with ``fullgraph=True``
     (data-dependent expert loops) and piper cannot shard their experts."""
-    return [f"{name} ({type(mod).__name__})" for name, mod in _moe_blocks(model)]
+    return [f"{name} ({type(mod).__name__})" for name, mod in moe_blocks(model)]
 
 
 def adapt_moe(model: nn.Module) -> nn.Module:
@@ -284,7 +287,7 @@ def adapt_moe(model: nn.Module) -> nn.Module:
     up to floating-point summation order (exact for ``top_k <= 2``)."""
     blocks = _blocks(model)
     adaptable = {id(mod) for _, mod, _, _ in blocks}
-    others = [f"{name} ({type(mod).__name__})" for name, mod in _moe_blocks(model) if id(mod) not in adaptable]
+    others = [f"{name} ({type(mod).__name__})" for name, mod in moe_blocks(model) if id(mod) not in adaptable]
     if others:
         known = ", ".join(spec.cls for spec in _SPECS)
         warnings.warn(f"piper: adapt_moe has no adapter for the MoE block(s) {others}; they stay as they are (not "
