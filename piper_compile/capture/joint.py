@@ -7,6 +7,7 @@ symbolic), and describe every placeholder and output with a name the rest of pip
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 import time
 from dataclasses import dataclass
@@ -94,21 +95,51 @@ def fqn_from_source(source: str) -> str:
     return ".".join(parts) or source
 
 
-def _check_single_loss(gm: fx.GraphModule) -> None:
+def _check_single_loss(gm: fx.GraphModule, sources: list[str]) -> None:
     out = gm.graph.find_nodes(op="output")[0]
     outs = out.args[0]
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     vals = [o.meta.get("example_value") if isinstance(o, fx.Node) else o for o in outs]
     ok = len(vals) == 1 and isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0 and vals[0].is_floating_point()
-    if not ok:
-        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]
-        raise PiperCaptureError(
-            f"piper: the captured graph returns {len(vals)} value(s) {shapes}, not one scalar loss. Either the "
-            "model's forward does not return a scalar loss, or Dynamo split the model into several graphs "
-            "(a graph break: print(), .item(), data-dependent control flow). piper needs one graph for the "
-            "whole step: return the loss from forward, and compile with fullgraph=True to see where the "
-            "graph breaks (TORCH_LOGS=graph_breaks lists them)."
-        )
+    if ok:
+        return
+    stored = _stored_buffers(gm, outs[1:], sources)
+    if stored:
+        raise PiperCaptureError(buffer_update_error(stored, "in place (`self.calls += 1`)"))
+    shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]
+    raise PiperCaptureError(
+        f"piper: the captured graph returns {len(vals)} value(s) {shapes}, not one scalar loss. Either the "
+        "model's forward does not return a scalar loss, stores a tensor on the model (`self.x = ...`), or "
+        "Dynamo split the model into several graphs (a graph break: print(), .item(), data-dependent "
+        "control flow). piper needs one graph for the whole step: return the loss from forward, and "
+        "compile with fullgraph=True to see where the graph breaks (TORCH_LOGS=graph_breaks lists them)."
+    )
+
+
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow}
+
+
+def _stored_buffers(gm: fx.GraphModule, extra: list[Any], sources: list[str]) -> list[str]:
+    """The buffers behind extra graph outputs that are in-place updates of them (``self.calls += 1``:
+    Dynamo returns the new value to store it back on the module)."""
+    source = dict(zip(gm.graph.find_nodes(op="placeholder"), sources))
+    names: list[str] = []
+    for o in extra:
+        while isinstance(o, fx.Node) and o.op == "call_function" and o.target in _IN_PLACE:
+            o = o.args[0]
+        if isinstance(o, fx.Node) and o.op == "placeholder" and "_buffers" in source.get(o, ""):
+            names.append(fqn_from_source(source[o]))
+    return names
+
+
+def buffer_update_error(names: list[str], how: str) -> str:
+    """What piper says of a forward that updates buffers ``names`` (``how``: the form it found)."""
+    listed = ", ".join(f"'{n}'" for n in names)
+    return (f"piper: the model's forward updates buffer {listed} {how}. piper runs the forward once per "
+            "micro-batch and replica, so the update would not happen as in eager training (once per step, "
+            "on one copy), and it is not carried between steps yet. Do the update outside the compiled "
+            "step (in the training loop, passing what forward needs as an argument), or use a module "
+            "without running state (LayerNorm/RMSNorm rather than BatchNorm).")
 
 
 def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any],
@@ -143,21 +174,22 @@ def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any],
 
 
 def _batch_symbols(specs: list[InputSpec], gm: fx.GraphModule) -> tuple[frozenset[Any], int]:
-    """The batch size (leading size of the first tensor input) and the symbols of every tensor input
-    whose leading size is a plain symbol of that size: with duck shaping off, ``tokens`` and ``labels``
-    get different symbols for the same batch. Empty when the batch is static."""
+    """The batch size and the symbols of every tensor input whose leading size is a plain symbol of that
+    size: with duck shaping off, ``tokens`` and ``labels`` get different symbols for the same batch. The
+    batch size is the symbolic leading size most tensor inputs share (the first input Dynamo lifted on a
+    tie): Dynamo lifts inputs in the order forward first uses them, so a table forward reads before its
+    samples (``x + table.mean(0)``) must not decide it. Empty symbols when the batch is static."""
     vals = [gm.graph.find_nodes(op="placeholder")[s.arg_index].meta["example_value"] for s in specs
             if s.kind == INPUT]
     vals = [v for v in vals if v.dim() > 0]
     if not vals:
         return frozenset(), 0
-    d0 = vals[0].shape[0]
-    if not (isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol):
-        return frozenset(), int(d0)  # static, or a SymInt Dynamo specialised to a constant
-    batch = int(d0.node.hint)
-    symbols = {v.shape[0].node.expr for v in vals if isinstance(v.shape[0], torch.SymInt)
-               and v.shape[0].node.expr.is_Symbol and v.shape[0].node.hint == batch}
-    return frozenset(symbols), batch
+    symbolic = [v.shape[0] for v in vals if isinstance(v.shape[0], torch.SymInt) and v.shape[0].node.expr.is_Symbol]
+    if not symbolic:
+        return frozenset(), int(vals[0].shape[0])  # static, or SymInts Dynamo specialised to constants
+    hints = [int(d.node.hint) for d in symbolic]
+    batch = max(hints, key=lambda h: (hints.count(h), -hints.index(h)))
+    return frozenset(d.node.expr for d, h in zip(symbolic, hints) if h == batch), batch
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
@@ -229,8 +261,9 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
                   fakes: tuple[Any, ...] | None = None) -> JointGraph:
     """Export the joint graph of Dynamo's graph ``gm`` and describe its inputs/outputs. ``fakes``: the
     placeholder values to trace with (default Dynamo's; tensor parallelism passes local shapes)."""
-    _check_single_loss(gm)
-    specs, params, buffers = _describe_inputs(gm, example_inputs, sources or source_names(gm))
+    sources = sources or source_names(gm)
+    _check_single_loss(gm, sources)
+    specs, params, buffers = _describe_inputs(gm, example_inputs, sources)
     if fakes is None:
         fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
     t0 = time.perf_counter()
@@ -300,13 +333,21 @@ def _joint_outputs(jgm: fx.GraphModule, specs: list[InputSpec]) -> tuple[str, di
             if spec.kind == PARAM and isinstance(o, fx.Node) and o.op != "placeholder":
                 grad_of[o.name] = spec.name
         elif dname not in ("GradAOTOutput", "PlainAOTOutput", "NoneType"):
-            raise PiperCaptureError(
-                f"piper: the model's forward mutates an input or buffer ({d}); in-place updates of buffers "
-                "(e.g. BatchNorm running statistics) are not supported yet. Use LayerNorm/RMSNorm or keep the "
-                "statistic outside the compiled step."
-            )
+            raise PiperCaptureError(_mutation_error(d, specs))
     assert loss is not None
     return loss, grad_of
+
+
+def _mutation_error(desc: Any, specs: list[InputSpec]) -> str:
+    """The error for a joint output ``desc`` that writes an input back (an in-place update in forward)."""
+    idx = getattr(getattr(desc, "mutated_input", None), "idx", None)
+    spec = specs[idx] if isinstance(idx, int) and idx < len(specs) else None
+    if spec is not None and spec.kind == BUFFER:
+        return buffer_update_error([spec.name], "in place (`.mul_`, `.add_`, `.copy_`, BatchNorm's running statistics)")
+    what = f"input '{spec.name}'" if spec is not None else f"an input ({desc})"
+    return (f"piper: the model's forward updates {what} in place; piper cannot carry an in-place update of "
+            "an input through micro-batches and replicas. Compute on a copy (`x = x.clone()`, or an "
+            "out-of-place op) inside forward.")
 
 
 def _mark_batched(gm: fx.GraphModule, specs: list[InputSpec], final_specs: list[InputSpec],

@@ -254,6 +254,44 @@ def test_forward_that_does_not_return_a_scalar_loss() -> None:
     assert "not one scalar loss" in msg
 
 
+class RunningState(PrintBreak):
+    """A forward that keeps state of its own between calls: a step counter, an EMA, an input updated in
+    place, or a tensor stored on the module."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.kind == "input":
+            x.mul_(2)
+        h = torch.tanh(self.a(x))
+        if self.kind == "counter":
+            self.calls += 1
+            h = h * self.calls
+        elif self.kind == "ema":
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+            h = h - self.ema
+        elif self.kind == "store":
+            self.last = h.detach()
+        return F.mse_loss(self.b(h), y)
+
+
+@pytest.mark.parametrize("kind, named", [("counter", "buffer 'calls' in place (`self.calls += 1`)"),
+                                         ("ema", "buffer 'ema' in place (`.mul_`"),
+                                         ("input", "input 'x' in place"),
+                                         ("store", "stores a tensor on the model (`self.x = ...`)")])
+def test_a_forward_that_updates_state_names_it(kind: str, named: str) -> None:
+    """Such an update would run once per micro-batch and replica instead of once per step: refused,
+    naming the buffer or input (the counter used to read "returns 2 values, not one scalar loss")."""
+    m = RunningState(kind)
+    msg = _first_call_error(_compile(m, [piper.split(2)]), _batch(m), PiperCaptureError)
+    assert named in msg, msg
+
+
 def test_non_contiguous_region() -> None:
     m = build_model("skip", depth=3)
     piper.annotate(m.layers[0], PP=0)
