@@ -135,7 +135,7 @@ def _stored_buffers(gm: fx.GraphModule, extra: list[Any], sources: list[str]) ->
 def buffer_update_error(names: list[str], how: str) -> str:
     """What piper says of a forward that updates buffers ``names`` (``how``: the form it found)."""
     listed = ", ".join(f"'{n}'" for n in names)
-    return (f"piper: the model's forward updates buffer {listed} {how}. piper runs the forward once per "
+    return (f"piper: the model's forward updates buffer{'s' if len(names) > 1 else ''} {listed} {how}. piper runs the forward once per "
             "micro-batch and replica, so the update would not happen as in eager training (once per step, "
             "on one copy), and it is not carried between steps yet. Do the update outside the compiled "
             "step (in the training loop, passing what forward needs as an argument), or use a module "
@@ -324,6 +324,7 @@ def _joint_outputs(jgm: fx.GraphModule, specs: list[InputSpec]) -> tuple[str, di
     descs = out_node.meta.get("desc") or [None] * len(outs)
     loss: str | None = None
     grad_of: dict[str, str] = {}
+    mutated: list[Any] = []
     for o, d in zip(outs, descs):
         dname = type(d).__name__
         if dname == "PlainAOTOutput" and loss is None:
@@ -333,18 +334,21 @@ def _joint_outputs(jgm: fx.GraphModule, specs: list[InputSpec]) -> tuple[str, di
             if spec.kind == PARAM and isinstance(o, fx.Node) and o.op != "placeholder":
                 grad_of[o.name] = spec.name
         elif dname not in ("GradAOTOutput", "PlainAOTOutput", "NoneType"):
-            raise PiperCaptureError(_mutation_error(d, specs))
+            mutated.append(d)
+    if mutated:
+        raise PiperCaptureError(_mutation_error(mutated, specs))
     assert loss is not None
     return loss, grad_of
 
 
-def _mutation_error(desc: Any, specs: list[InputSpec]) -> str:
-    """The error for a joint output ``desc`` that writes an input back (an in-place update in forward)."""
-    idx = getattr(getattr(desc, "mutated_input", None), "idx", None)
-    spec = specs[idx] if isinstance(idx, int) and idx < len(specs) else None
-    if spec is not None and spec.kind == BUFFER:
-        return buffer_update_error([spec.name], "in place (`.mul_`, `.add_`, `.copy_`, BatchNorm's running statistics)")
-    what = f"input '{spec.name}'" if spec is not None else f"an input ({desc})"
+def _mutation_error(descs: list[Any], specs: list[InputSpec]) -> str:
+    """The error for joint outputs ``descs`` that write inputs back (in-place updates in forward)."""
+    idxs = [getattr(getattr(d, "mutated_input", None), "idx", None) for d in descs]
+    found = [specs[i] for i in idxs if isinstance(i, int) and i < len(specs)]
+    buffers = [s.name for s in found if s.kind == BUFFER]
+    if buffers:
+        return buffer_update_error(buffers, "in place (`.mul_`, `.add_`, `.copy_`, BatchNorm's running statistics)")
+    what = f"input '{found[0].name}'" if found else f"an input ({descs[0]})"
     return (f"piper: the model's forward updates {what} in place; piper cannot carry an in-place update of "
             "an input through micro-batches and replicas. Compute on a copy (`x = x.clone()`, or an "
             "out-of-place op) inside forward.")

@@ -263,6 +263,7 @@ class RunningState(PrintBreak):
         self.kind = kind
         self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("ema", torch.zeros(4))
+        self.norm = nn.BatchNorm1d(4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.kind == "input":
@@ -277,12 +278,16 @@ class RunningState(PrintBreak):
             h = h - self.ema
         elif self.kind == "store":
             self.last = h.detach()
+        elif self.kind == "batchnorm":
+            h = self.norm(h)
         return F.mse_loss(self.b(h), y)
 
 
 @pytest.mark.parametrize("kind, named", [("counter", "buffer 'calls' in place (`self.calls += 1`)"),
                                          ("ema", "buffer 'ema' in place (`.mul_`"),
                                          ("input", "input 'x' in place"),
+                                         ("batchnorm", "buffers 'norm.num_batches_tracked', 'norm.running_mean', "
+                                                       "'norm.running_var' in place"),
                                          ("store", "stores a tensor on the model (`self.x = ...`)")])
 def test_a_forward_that_updates_state_names_it(kind: str, named: str) -> None:
     """Such an update would run once per micro-batch and replica instead of once per step: refused,
