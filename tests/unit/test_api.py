@@ -19,6 +19,7 @@ def _compile(model, **options):
     return torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=options)
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 def test_entry_point_works_without_importing_piper_first():
     code = textwrap.dedent("""
         import torch

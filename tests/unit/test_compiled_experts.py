@@ -24,6 +24,7 @@ def _rows(counts: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 @pytest.mark.parametrize("counts", [[3, 0, 5, 2], [1, 7, 0, 0], [4, 4, 4, 4]])
 def test_compiled_experts_match_the_reference(counts: list[int]) -> None:
     w = _weights()

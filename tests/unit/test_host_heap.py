@@ -19,6 +19,7 @@ def _probe(**env: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_sets_thresholds_once() -> None:
     assert _probe() == "True True"

@@ -271,6 +271,7 @@ def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch, inside)
         assert torch.equal(v, w), k
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "each")

@@ -31,6 +31,7 @@ def _check_order(cut: regional.Cut) -> None:
     assert set(cut.results) <= have
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 def test_a_gpt_segment_is_cut_per_block_and_alike_blocks_share_one_graph():
     model = build_model("gpt", 0, layers=4)
     segs = _segments(model, model.make_batch(4, torch.Generator().manual_seed(0)))

@@ -58,6 +58,7 @@ def _torch_schedule_csv(kind: str, stage_ids: tuple[int, ...], n_stages: int, m:
     cls(stages, n_microbatches=m, loss_fn=lambda out, target: out.sum())._dump_csv(str(path))
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 @pytest.mark.parametrize("kind,stage_ids", [("interleaved", (0, 2)), ("zbv", (0, 3))])
 def test_torch_written_schedule_plans_and_verifies_in_piper(kind, stage_ids, fake_world, tmp_path):
     fake_world(2)

@@ -163,6 +163,7 @@ def test_a_quotient_that_would_fold_two_channels_is_not_used():
     assert not res.classes and res.ranks == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 def test_a_rank_dependent_cost_model_simulates_every_rank():
     plan = _plan(Candidate(pp=2, dp=3, schedule="1f1b", microbatches=2, zero=1))
 

@@ -59,6 +59,7 @@ def test_pp2_exchanges_the_tied_gradient_parts_once_per_step():
     assert prog[0].index(f"RECV.part:{TIED}.r1<-r1") > max(i for i, s in enumerate(prog[0]) if s.startswith("B"))
 
 
+@pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
 def test_other_schedules_exchange_once(schedule: str):
     plan = _plan([*piper.pipeline(2), *getattr(S, schedule)(2, 4)])
