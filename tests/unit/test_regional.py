@@ -97,6 +97,7 @@ def test_regional_compilation_matches_the_whole_graph_and_compiles_each_block_on
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 6 s: keeps the fast subset under 5 min
 def test_a_piece_inductor_cannot_compile_runs_eagerly_and_names_the_piece(monkeypatch):
     real = CompiledSegment._inductor
 

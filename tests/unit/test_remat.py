@@ -48,6 +48,7 @@ def _kept_elements(p: piper.StaticPlan, stage: int | None = None) -> int:
     return total
 
 
+@pytest.mark.slow  # 6 s: keeps the fast subset under 5 min
 def test_gpt_recomputes_gelu_and_layer_norm_outputs_in_the_backward():
     model = build_model("gpt", **GPT_CFG)
     on = _plan(model, [piper.replicate()])
@@ -116,7 +117,7 @@ def test_random_ops_are_never_recomputed():
     assert _kept_elements(p) <= _kept_elements(_plan(DropoutMLP(), [piper.replicate()], remat=False))
 
 
-@pytest.mark.parametrize("name", ["mlp", "skip", "gpt", "moegpt", "moe", "shared_norm"])
+@pytest.mark.parametrize("name", ["mlp", "skip", "gpt", pytest.param("moegpt", marks=pytest.mark.slow), "moe", "shared_norm"])
 def test_remat_never_keeps_more(name: str):
     kw = GPT_CFG if name in ("gpt", "moegpt") else {}
     model = build_model(name, **kw)
