@@ -105,7 +105,7 @@ def _check_single_loss(gm: fx.GraphModule, sources: list[str]) -> None:
         return
     stored = _stored_buffers(gm, outs[1:], sources)
     if stored:
-        raise PiperCaptureError(buffer_update_error(stored, "in place (`self.calls += 1`)"))
+        raise PiperCaptureError(_buffer_update_error(stored, "in place (`self.calls += 1`)"))
     shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]
     raise PiperCaptureError(
         f"piper: the captured graph returns {len(vals)} value(s) {shapes}, not one scalar loss. Either the "
@@ -132,14 +132,14 @@ def _stored_buffers(gm: fx.GraphModule, extra: list[Any], sources: list[str]) ->
     return names
 
 
-def buffer_update_error(names: list[str], how: str) -> str:
+def _buffer_update_error(names: list[str], how: str) -> str:
     """What piper says of a forward that updates buffers ``names`` (``how``: the form it found)."""
     listed = ", ".join(f"'{n}'" for n in names)
-    return (f"piper: the model's forward updates buffer{'s' if len(names) > 1 else ''} {listed} {how}. piper runs the forward once per "
-            "micro-batch and replica, so the update would not happen as in eager training (once per step, "
-            "on one copy), and it is not carried between steps yet. Do the update outside the compiled "
-            "step (in the training loop, passing what forward needs as an argument), or use a module "
-            "without running state (LayerNorm/RMSNorm rather than BatchNorm).")
+    return (f"piper: the model's forward updates buffer{'s' if len(names) > 1 else ''} {listed} {how}. "
+            "piper runs the forward once per micro-batch and replica, so the update would not happen as in "
+            "eager training (once per step, on one copy), and it is not carried between steps yet. Do the "
+            "update outside the compiled step (in the training loop, passing what forward needs as an "
+            "argument), or use a module without running state (LayerNorm/RMSNorm rather than BatchNorm).")
 
 
 def _describe_inputs(gm: fx.GraphModule, example_inputs: list[Any],
@@ -347,8 +347,8 @@ def _mutation_error(descs: list[Any], specs: list[InputSpec]) -> str:
     found = [specs[i] for i in idxs if isinstance(i, int) and i < len(specs)]
     buffers = [s.name for s in found if s.kind == BUFFER]
     if buffers:
-        return buffer_update_error(buffers, "in place (`.mul_`, `.add_`, `.copy_`, BatchNorm's running statistics)")
-    what = f"input '{found[0].name}'" if found else f"an input ({descs[0]})"
+        return _buffer_update_error(buffers, "in place (`.mul_`, `.add_`, `.copy_`, BatchNorm's running statistics)")
+    what = f"{found[0].kind} '{found[0].name}'" if found else f"an input ({descs[0]})"
     return (f"piper: the model's forward updates {what} in place; piper cannot carry an in-place update of "
             "an input through micro-batches and replicas. Compute on a copy (`x = x.clone()`, or an "
             "out-of-place op) inside forward.")
