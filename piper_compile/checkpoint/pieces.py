@@ -103,13 +103,17 @@ def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> list[Box]
     return out
 
 
-def pieces_of(b: ShardBucket, src: torch.Tensor, split: dict[str, LocalShard]) -> dict[str, ShardPieces]:
-    """fqn -> this shard's pieces of it, as views of ``src`` (the shard or a shard-shaped state tensor).
+def pieces_of(b: ShardBucket, src: torch.Tensor, split: dict[str, LocalShard], start: int = 0) -> dict[str, ShardPieces]:
+    """fqn -> this shard's pieces of it, as views of ``src`` (the shard or a shard-shaped state tensor;
+    or, from ``start`` in the shard on, a run of it: ``ShardBucket.runs``, whose state is its own).
     ``split``: this rank's tensor-parallel pieces (``LocalShard``) by fqn; the bucket holds such a piece,
     so its boxes are placed in the full tensor through it."""
     out = {}
     shapes = dict(zip(b.fqns, b.shapes))
     for fqn, p_start, s_start, n in b.local_pieces():
+        if not start <= s_start < start + src.numel():
+            continue
+        s_start -= start
         boxes = [(torch.Size(off), src[s_start + flat - p_start: s_start + flat - p_start + math.prod(size)].view(size))
                  for off, size, flat in flat_range_boxes(shapes[fqn], p_start, n)]
         sh = split.get(fqn)

@@ -13,6 +13,7 @@ from torch import nn
 from piper_compile.errors import PiperError
 from piper_compile.checkpoint.layout import Ctx, raw_state_dict
 from piper_compile.checkpoint.pieces import StatefulDict, pieces_of
+from piper_compile.runtime.zero import Run
 
 
 def _model_entries(ctx: Ctx) -> dict[str, Any]:
@@ -55,19 +56,20 @@ def _optimizer_entries(ctx: Ctx, opt: torch.optim.Optimizer) -> tuple[dict[str, 
 
     for name in ctx.shards:
         b = z.buckets[name]
-        s = opt.state.get(b.shard) or {}
-        fqns = [f for f, *_ in b.local_pieces()]
-        for k, v in s.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == b.shard_len:
-                for f, pieces in pieces_of(b, v.detach(), ctx.split).items():
-                    add(f, b.shard, k, pieces)
-            elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                raise PiperError(f"piper: optimizer state {k!r} of ZeRO bucket {name} has shape {tuple(v.shape)}, "
-                                 f"neither a scalar nor the shard's ({b.shard_len},); it cannot be checkpointed by "
-                                 "parameter")
-            else:
-                for f in fqns:
-                    add(f, b.shard, k, v)
+        runs = b.runs if b.runs is not None else [Run(0, 0, b.shard_len, b.shard)]
+        for run in runs:
+            fqns = [f for f, _, s, _ in b.local_pieces() if run.start <= s < run.start + run.length]
+            for k, v in (opt.state.get(run.param) or {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == run.length:
+                    for f, pieces in pieces_of(b, v.detach(), ctx.split, run.start).items():
+                        add(f, run.param, k, pieces)
+                elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                    raise PiperError(f"piper: optimizer state {k!r} of ZeRO bucket {name} has shape "
+                                     f"{tuple(v.shape)}, neither a scalar nor the shard's ({run.length},); it cannot "
+                                     "be checkpointed by parameter")
+                else:
+                    for f in fqns:
+                        add(f, run.param, k, v)
     for f in ctx.trained:
         if f not in ctx.sharded:
             p = ctx.local(f)
@@ -82,7 +84,10 @@ def _optimizer_entries(ctx: Ctx, opt: torch.optim.Optimizer) -> tuple[dict[str, 
     all_trained = [ctx.name_of[f] for f in ctx.params if f in ctx.owners]
     if len(opt.param_groups) == 1:
         names = [all_trained]
-    else:  # several groups (no ZeRO: the groups hold the model's parameters)
+    elif ctx.st.group_of is not None:  # several groups over shards or pieces (runtime/param_groups.py)
+        names = [[ctx.name_of[f] for f in ctx.params if f in ctx.owners and ctx.st.group_of.get(f) == i]
+                 for i in range(len(opt.param_groups))]
+    else:  # several groups holding the model's parameters
         by_id = {id(p): ctx.name_of[f] for f, p in ctx.params.items() if f in ctx.owners}
         names = [[by_id[id(p)] for p in g["params"] if id(p) in by_id] for g in opt.param_groups]
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(opt.param_groups, names)]
@@ -138,7 +143,8 @@ def materialize(ctx: Ctx, opt: torch.optim.Optimizer) -> None:
     gradients (at the real learning rate, so lr-derived initial state is right), after which the
     parameters are restored bitwise and every ``step`` count is reset to 0."""
     z = ctx.st.zero
-    mine = [z.buckets[b].shard for b in ctx.shards] + [ctx.local(f) for f in ctx.trained if f not in ctx.sharded]
+    mine = [p for b in ctx.shards for p in z.buckets[b].opt_params()]
+    mine += [ctx.local(f) for f in ctx.trained if f not in ctx.sharded]
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     missing = [p for p in mine if id(p) in in_opt and not opt.state.get(p)]
     if not missing:

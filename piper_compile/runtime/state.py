@@ -20,6 +20,7 @@ from piper_compile.runtime.loss_scale import LossScaler
 from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.optimizer import build_optimizer, step_checked
 from piper_compile.runtime.optimizer_memory import Allocations
+from piper_compile.runtime.param_groups import regroup
 
 MEASURED_UPDATE = 1  # the update whose temporaries memory_report shows: the second (the first makes the state)
 from piper_compile.runtime.shards import LocalShard
@@ -70,6 +71,7 @@ class TrainState:
         self.deferred: Any = None  # a model built on the meta device: its init (init/deferred.Deferred)
         self.load_bytes = 0  # bytes the last Hugging Face checkpoint load read on this rank (checkpoint/hf.py)
         self.kinds: dict[int, tuple[torch.dtype, str]] = {}  # parameters' dtype and device since the first call
+        self.group_of: dict[str, int] | None = None  # several optimizer groups: fqn -> group (param_groups.py)
 
     @property
     def device(self) -> torch.device:
@@ -241,42 +243,50 @@ class TrainState:
 
     def _optimizer_params(self) -> list[nn.Parameter]:
         if self.zero is None or not self.zero.sharded:
-            if not self.shards:
-                return list(self.params)
-            fqn_of = {id(p): f for f, p in self.named.items()}
-            return [self.local_param(fqn_of.get(id(p), ""), p) for p in self.params]  # type: ignore[misc]
+            return self._unsharded_params()
         sharded = {f for b in self.zero.buckets.values() for f in b.fqns}
-        shards = [b.shard for b in self.zero.buckets.values()]
-        return [p for p in shards if p is not None] + [self.local_param(f, p) for f, p in self.named.items()  # type: ignore[misc]
-                                                       if f not in sharded]
+        shards = [p for b in self.zero.buckets.values() if b.shard is not None for p in b.opt_params()]
+        return shards + [self.local_param(f, p) for f, p in self.named.items()  # type: ignore[misc]
+                         if f not in sharded]
 
-    @staticmethod
-    def _check_one_group(opt: torch.optim.Optimizer) -> None:
-        if len(opt.param_groups) != 1:
-            raise PiperError(f"piper: ZeRO flattens parameters into per-bucket shards, so the optimizer must have "
-                             f"one parameter group; options['optimizer'] made {len(opt.param_groups)}. Use one group "
-                             "(per-group settings such as no weight decay on biases are not supported with zero>0)")
+    def _unsharded_params(self) -> list[nn.Parameter]:
+        """The model's parameters, or this rank's tensor-parallel / expert pieces of them."""
+        if not self.shards:
+            return list(self.params)
+        fqn_of = {id(p): f for f, p in self.named.items()}
+        return [self.local_param(fqn_of.get(id(p), ""), p) for p in self.params]  # type: ignore[misc]
 
     def _rewire_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        """An optimizer made before sharding (piper.optimizer(step) before the first call) now updates
-        the shards instead of the full parameters."""
-        self._check_one_group(opt)
+        """An optimizer made before the parameters took their layout (piper.optimizer(step) before the
+        first call) now updates what this rank holds of them: shards, runs of shards or pieces."""
         if any(opt.state.values()):
             raise PiperError("piper: the optimizer already has state from steps on the full parameters; create it "
                              "through options['optimizer'] and let piper step it")
-        opt.param_groups[0]["params"] = self._optimizer_params()
+        if len(opt.param_groups) == 1:
+            opt.param_groups[0]["params"] = self._optimizer_params()
+        else:
+            regroup(opt, self)
         opt.state.clear()
 
     def get_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer, built at first need. Under ZeRO with several parameter groups the factory is
+        given the model's parameters (so it can sort them) and the groups are rewired onto the shards."""
         if self.optimizer is None and self.factory is not None:
-            opt = build_optimizer(self.factory, self._optimizer_params())
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"piper: options['optimizer'] must return a torch.optim.Optimizer, got "
-                                f"{type(opt).__name__}; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
-            if self.zero is not None and self.zero.sharded:
-                self._check_one_group(opt)
+            sharded = self.zero is not None and self.zero.sharded
+            opt = self._build(self._unsharded_params() if sharded else self._optimizer_params())
+            if sharded and len(opt.param_groups) == 1:
+                opt = self._build(self._optimizer_params())  # one group: the factory sees the flat shards
+            elif sharded:
+                regroup(opt, self)
             self.optimizer = opt
         return self.optimizer
+
+    def _build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        opt = build_optimizer(self.factory, params)  # type: ignore[arg-type]
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"piper: options['optimizer'] must return a torch.optim.Optimizer, got "
+                            f"{type(opt).__name__}; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
+        return opt
 
     def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         """Make every replica start from rank 0's weights (once per model)."""
@@ -294,7 +304,7 @@ class TrainState:
         for b in upd.shards:
             bk = self.zero.buckets[b]  # type: ignore[union-attr]
             full = grads.bucket(b) if bk.level == 1 else None  # ZeRO-1: a slice of the all-reduced bucket
-            out.append((bk.shard, self.zero.shard_grad(b, full)))  # type: ignore[union-attr]
+            out += bk.opt_grads(self.zero.shard_grad(b, full))  # type: ignore[union-attr]
         return out
 
     def _whole(self, upd: Update, fqns: Iterable[str]) -> list[str]:

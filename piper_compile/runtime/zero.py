@@ -39,6 +39,17 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass
+class Run:
+    """A stretch of a shard whose parameters all belong to one optimizer parameter group: the optimizer
+    updates it as one parameter (a view of the shard) with that group's hyperparameters."""
+
+    group: int
+    start: int  # in the shard
+    length: int
+    param: nn.Parameter
+
+
+@dataclass
 class ShardBucket:
     """One flat bucket of a ZeRO group as seen by one rank."""
 
@@ -60,6 +71,7 @@ class ShardBucket:
     done: dict[int, torch.Tensor] = field(default_factory=dict)  # finished, waiting for earlier micro-batches
     next_mb: int = 0  # the next micro-batch to fold into grad_shard (folds happen in micro-batch order)
     compute_dtype: torch.dtype | None = None  # mixed precision: ZeRO-3 gathers the parameters in this dtype
+    runs: list[Run] | None = None  # several optimizer groups: what the optimizer updates of the shard
 
     @property
     def world(self) -> int:
@@ -89,6 +101,38 @@ class ShardBucket:
             if a < b:
                 out.append((f, a - o, a - lo, b - a))
         return out
+
+    def group_runs(self, group_of: dict[str, int]) -> None:
+        """Cut the shard into runs of one optimizer group each (``group_of``: fqn -> group index). A
+        parameter in no group is in no run, so it is not updated, as torch leaves a parameter its
+        optimizer does not hold. A shard wholly in one group stays one run: the shard itself."""
+        assert self.shard is not None
+        pieces = self.local_pieces()
+        spans: list[list[int]] = []  # [group, start, end] in the shard
+        for f, _, s, n in pieces:
+            g = group_of.get(f)
+            if g is None:
+                continue
+            if spans and spans[-1][0] == g and spans[-1][2] == s:
+                spans[-1][2] = s + n
+            else:
+                spans.append([g, s, s + n])
+        if len(spans) == 1 and all(f in group_of for f, *_ in pieces):
+            self.runs = [Run(spans[0][0], 0, self.shard_len, self.shard)]
+            return
+        flat = self.shard.detach()
+        self.runs = [Run(g, a, b - a, nn.Parameter(flat[a:b], requires_grad=True)) for g, a, b in spans]
+
+    def opt_params(self) -> list[nn.Parameter]:
+        """What the optimizer updates of this shard: the shard, or its runs."""
+        assert self.shard is not None
+        return [self.shard] if self.runs is None else [r.param for r in self.runs]
+
+    def opt_grads(self, grad: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(optimizer parameter, its gradient) for ``grad``, this rank's gradient shard."""
+        if self.runs is None:
+            return [(self.shard, grad)]  # type: ignore[list-item]
+        return [(r.param, grad[r.start:r.start + r.length]) for r in self.runs]
 
 
 @dataclass

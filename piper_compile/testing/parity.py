@@ -25,6 +25,7 @@ class RunConfig:
     local_batch: int = 8
     optimizer: tuple[str, dict[str, Any]] | None = ("SGD", {"lr": 0.05, "momentum": 0.9})
     user_optimizer: bool = False  # no piper optimizer: the test steps its own on param.grad
+    param_groups: bool = False  # two optimizer groups, as LLM recipes make them (``two_groups``)
     codegen: str = "eager"
     seed: int = 0
     no_grad_eval: bool = False  # also run one forward-only call under torch.no_grad() after training
@@ -83,7 +84,18 @@ class RunConfig:
         if self.optimizer is None:
             return None
         name, kw = self.optimizer
+        if self.param_groups:
+            return functools.partial(two_groups, getattr(torch.optim, name), kw)
         return functools.partial(getattr(torch.optim, name), **kw)
+
+
+def two_groups(cls: type, kw: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    """``cls`` over two parameter groups, as LLM recipes make them: matrices with ``kw``; biases, norms
+    and other vectors without weight decay and at half the learning rate."""
+    params = list(params)
+    vectors = {"lr": kw.get("lr", 1e-3) / 2, **({"weight_decay": 0.0} if "weight_decay" in kw else {})}
+    return cls([{"params": [p for p in params if p.dim() >= 2]},
+                {"params": [p for p in params if p.dim() < 2], **vectors}], **kw)
 
 
 def _device(cfg: RunConfig) -> torch.device:

@@ -162,6 +162,13 @@ def test_resume_dp2_zero3(tmp_path):
         torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6)
 
 
+def test_resume_dp2_zero3_two_parameter_groups(tmp_path):
+    """Two optimizer groups (``parity.two_groups``) over ZeRO-3 shards whose buckets hold both: the state
+    is saved per parameter, resumes bitwise, and loads into other buckets under ZeRO-1."""
+    cfg = dataclasses.replace(_dp(3), param_groups=True)
+    _check_resume(cfg, 2, tmp_path, other=[piper.replicate(zero=1, bucket_mb=0.01)])
+
+
 def test_resume_pp2_x_dp2_zero3(tmp_path):
     cfg = _pp_dp_zero3()
     _check_resume(cfg, 4, tmp_path, other=[*cfg.directives[:-1], piper.replicate({"PP": "*"})])

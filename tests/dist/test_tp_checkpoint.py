@@ -144,7 +144,8 @@ def test_resume_dp2_x_tp2_adamw(tmp_path):
 def test_resume_dp2_x_tp2_zero1_adamw(tmp_path):
     """ZeRO-1 within the data-parallel subgroups [0, 2] and [1, 3]: a shard's flat range of a rank's piece
     becomes boxes of the full tensor, cut where the piece's fused q/k/v blocks meet; loads into the same
-    tensor parallelism without ZeRO."""
+    tensor parallelism without ZeRO. Two optimizer groups (``parity.two_groups``): the shards' runs of each
+    group hold tensor-parallel pieces."""
     tp = piper.shard_tensor(TP, devices=[[0, 1], [2, 3]])
-    _check(_cfg([piper.split(2), piper.replicate(zero=1, bucket_mb=0.01), tp]), 4, tmp_path,
-           other=[piper.split(2), piper.replicate(), tp])
+    cfg = dataclasses.replace(_cfg([piper.split(2), piper.replicate(zero=1, bucket_mb=0.01), tp]), param_groups=True)
+    _check(cfg, 4, tmp_path, other=[piper.split(2), piper.replicate(), tp])

@@ -58,10 +58,20 @@ def test_uneven_sizes_dp4_zero3_and_zero2():
                              optimizer=ADAMW, local_batch=2), 4, **P_TOL)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_two_parameter_groups_dp2_mlp(zero: int):
+    """No weight decay and half the learning rate on the biases (``parity.two_groups``): each layer's
+    bucket holds both groups, so each shard is updated as runs of one group each."""
+    run_parity(RunConfig(model="mlp", directives=_dp(zero), steps=5, optimizer=ADAMW, param_groups=True), 2,
+               **P_TOL)
+
+
 def test_lr_scheduler_and_grad_clipping_zero3_pp():
-    """Clipping by the global norm across shards and stages, and a scheduler on piper.optimizer(step)."""
+    """An LLM recipe on PP x ZeRO-3: two parameter groups (the tied embedding, whole, is in the first; the
+    sharded layers' buckets mix both), clipping by the global norm across shards and stages, and a
+    scheduler on piper.optimizer(step)."""
     cfg = RunConfig(model="gpt", stages=2, local_batch=8, directives=_pp_dp(3), steps=5, optimizer=ADAMW,
-                    scheduler=("StepLR", {"step_size": 2, "gamma": 0.5}), clip_grad_norm=0.05)
+                    scheduler=("StepLR", {"step_size": 2, "gamma": 0.5}), clip_grad_norm=0.05, param_groups=True)
     res = run_parity(cfg, 4, **P_TOL)
     assert res[0]["collectives"]["gradnorm"] == 1
 
