@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 # rebuilding those was a third of the load (8-layer GPT: 0.68 -> 0.44 s).
 _KEEP = frozenset({"val", "custom", "stack_trace", "partitioner_tag", "nn_module_stack",
                    "fwd_nn_module_stack", "desc", "seq_nr", "is_gradient_acc", "original_aten",
-                   "autograd_backward"})
+                   "autograd_backward", "recompute", "ac_graph_id"})  # the last two: torch.utils.checkpoint's tags
 _STACKS = ("nn_module_stack", "fwd_nn_module_stack")
 _TORCH_MODULES = ("torch", "operator", "_operator", "math", "builtins", "piper_compile")
 _SAFE_OP_NAMESPACES = frozenset({"aten", "prims", "piper", "_c10d_functional", "c10d_functional", "higher_order"})

@@ -18,6 +18,12 @@ The rule, per matched region (a pipeline stage, a tagged block):
   (its rank's ``order``: 1F1B's stage s holds p - s; all of them without an order).
 * Everything else the backward reads is recomputed from what is kept.
 
+A region no directive matches whose forward calls ``torch.utils.checkpoint`` (the user's own, or Hugging
+Face's ``gradient_checkpointing_enable()``) is checkpointed as that call asked: the values AOTAutograd's
+joint graph tags ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` are recomputed (with the cheap ones remat
+recomputes anyway, ``capture/remat.py``), every other value is kept (``UserCheckpoint``); a directive
+matching the region takes its place.
+
 Each recomputed activation runs once per micro-batch: in the first backward piece of its region that
 needs it (BI before BW for a split backward, bucket chunks in order), which hands it to later pieces
 (``owners``). Under ZeRO-3 a piece gathers only the buckets it reads: a value whose recomputation would
@@ -37,6 +43,12 @@ from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.remat import BACKWARD_PASSES, Replay, aliases_input, hint_bytes, op_name
 from piper_compile.directives.spec import ActivationWindow, Checkpoint
 
+try:
+    from torch.utils.checkpoint import CheckpointPolicy
+    _RECOMPUTE_TAGS: frozenset[Any] = frozenset({CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE})
+except ImportError:  # pragma: no cover - torch without selective checkpointing
+    _RECOMPUTE_TAGS = frozenset()
+
 SELECTIVE_SAVE = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
@@ -44,6 +56,38 @@ SELECTIVE_SAVE = frozenset({
 })
 FLOPS_PER_BYTE = 64  # the budget's recompute cost of one byte written (about a GPU's FLOP:byte balance)
 Key = Any  # a piece key: (pass, region, chunk)
+
+
+@dataclass(frozen=True)
+class UserCheckpoint(Checkpoint):
+    """The policy of a region whose forward called ``torch.utils.checkpoint`` and that no directive
+    matches: recompute ``nodes`` (what the call tagged, and remat's cheap values), keep the rest."""
+
+    policy: str = "tagged"
+    nodes: frozenset[str] = frozenset()
+
+
+def user_tagged(joint: JointGraph, passes: dict[str, str]) -> set[str]:
+    """Forward nodes ``torch.utils.checkpoint`` tagged for recomputation (AOTAutograd's ``recompute`` meta)."""
+    return {n.name for n in joint.gm.graph.nodes if passes.get(n.name) == "F"
+            and n.meta.get("recompute") in _RECOMPUTE_TAGS}
+
+
+def with_user_checkpoints(joint: JointGraph, region: dict[str, Any], passes: dict[str, str], cheap: Iterable[str],
+                          policy_of: Callable[[Any], Checkpoint | None] | None
+                          ) -> Callable[[Any], Checkpoint | None] | None:
+    """``policy_of`` (a region's checkpoint directive), extended to the regions with values the user's own
+    ``torch.utils.checkpoint`` calls tagged that no directive matches (``UserCheckpoint``)."""
+    tagged = user_tagged(joint, passes)
+    if not tagged:
+        return policy_of
+    user = UserCheckpoint(nodes=frozenset(tagged | set(cheap)))
+    regions = {region.get(v) for v in tagged}
+
+    def of(reg: Any) -> Checkpoint | None:
+        d = policy_of(reg) if policy_of is not None else None
+        return d if d is not None else user if reg in regions else None
+    return of
 
 
 @dataclass
@@ -124,6 +168,9 @@ def random_op(n: fx.Node) -> bool:
 
 
 def _saved_by_policy(d: Checkpoint, n: fx.Node) -> bool:
+    if isinstance(d, UserCheckpoint):
+        src = n.args[0] if n.target is operator.getitem else None
+        return n.name not in d.nodes and not (isinstance(src, fx.Node) and src.name in d.nodes)
     name = op_name(n.args[0]) if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else op_name(n)
     if d.policy == "selective":
         return name in SELECTIVE_SAVE
@@ -175,7 +222,8 @@ def _checkpointed(joint: JointGraph, region: dict[str, Any], passes: dict[str, s
                 regions[reg] = d
     if len({region.get(n.name) for n in joint.gm.graph.nodes if passes.get(n.name) == "F"}) == 1:
         for d in regions.values():
-            _warn_whole_forward(d)
+            if not isinstance(d, UserCheckpoint):  # the user's calls cut the forward themselves
+                _warn_whole_forward(d)
     return regions
 
 

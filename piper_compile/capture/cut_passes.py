@@ -30,7 +30,7 @@ from piper_compile.pass_runner import run_pass, skipped_passes
 from piper_compile.capture.grad_parts import placement, split_grad_parts
 from piper_compile.capture.joint import JointGraph
 from piper_compile.capture.regions import Region, assign_regions, block_of, boundary_kind, param_derived
-from piper_compile.capture.checkpointing import demote_zero3, owners, plan_checkpoint
+from piper_compile.capture.checkpointing import demote_zero3, owners, plan_checkpoint, with_user_checkpoints
 from piper_compile.capture.remat import NO_REMAT, RematPlan, plan_remat
 from piper_compile.directives.spec import ActivationWindow, Checkpoint
 
@@ -135,7 +135,8 @@ def remat_pass(cuts: Cuts) -> None:
 
 
 def checkpoint_pass(cuts: Cuts) -> None:
-    if cuts.checkpoint is None:
+    policy_of = with_user_checkpoints(cuts.joint, cuts.region, cuts.passes, cuts.recompute.nodes, cuts.checkpoint)
+    if policy_of is None:
         return
     joint = cuts.joint
     nodes = {n.name: n for n in joint.gm.graph.nodes}
@@ -145,7 +146,7 @@ def checkpoint_pass(cuts: Cuts) -> None:
 
     keep: frozenset[str] = frozenset()
     while True:  # a value kept under ZeRO-3 changes what the others need: plan again until none is
-        plan = plan_checkpoint(joint, cuts.region, cuts.passes, cuts.derived, boundary_kind, cuts.checkpoint,
+        plan = plan_checkpoint(joint, cuts.region, cuts.passes, cuts.derived, boundary_kind, policy_of,
                                cuts.window, keep)
         handover = plan.handover(joint)
         owner, computes = owners(cuts.keyed, plan.nodes, handover, position, plan.replay)
