@@ -19,3 +19,18 @@ def _reset_dynamo():
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite tests/unit/golden/*.txt from the current passes (review the diff)")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n 2``: every multi-process test (tests/dist) runs on one worker, one at a time.
+
+    Their gloo ranks already fill both cores; the other worker runs the single-process tests.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RanksApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/dist" if nodeid.startswith("tests/dist/") else nodeid
+
+    return RanksApart(config, log)
