@@ -5,6 +5,7 @@ place, and the tags survive the capture cache. They used to be dropped silently:
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from pathlib import Path
 
@@ -132,3 +133,34 @@ def test_hugging_face_gradient_checkpointing_lowers_measured_activations(tmp_pat
     for measured, predicted, _ in (cold, warm):
         assert measured < none[0] / 3, (measured, none)
         assert measured == pytest.approx(predicted, rel=0.1)
+
+
+def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveNet(Net):
+    """``Net`` under torch's selective activation checkpointing: the linears' outputs are saved."""
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False, context_fn=ctx)
+        return F.cross_entropy(self.head(x), t)
+
+
+def test_a_selective_policy_keeps_what_it_saves():
+    """Values the policy function saves are kept: nothing between the plain call and no call at all, and no
+    linear runs again in the backward."""
+    plain, wrapped = _nets()
+    torch.manual_seed(0)
+    sac = SelectiveNet(False)
+    sac.load_state_dict(plain.state_dict())
+    plans = {name: _plan(m, [piper.replicate()]) for name, m in (("off", plain), ("full", wrapped), ("sac", sac))}
+    kept = {name: _kept_elements(p) for name, p in plans.items()}
+    assert kept["full"] < kept["sac"] < kept["off"], kept
+    assert _back_addmm(plans["sac"]) == _back_addmm(plans["off"])
