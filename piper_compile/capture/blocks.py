@@ -42,10 +42,17 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
 def _plain_inside(block: nn.Module) -> bool:
     """``block`` is made of modules (a single layer, one op, gains nothing from a region), none of which
     carries tags of its own (``annotate(block.moe, EP=i)``: those differ per block, and a body shared by
-    the blocks would carry the first one's); nor is it a list itself."""
+    the blocks would carry the first one's); nor is it a list itself, nor checkpointed by Hugging Face."""
     inside = [m for m in block.modules() if m is not block]
     return bool(inside) and not isinstance(block, (nn.ModuleList, nn.Sequential)) and not any(
-        isinstance(m, _ModuleAnnotation) for m in inside)
+        isinstance(m, _ModuleAnnotation) for m in inside) and not _checkpointed(block)
+
+
+def _checkpointed(block: nn.Module) -> bool:
+    """Hugging Face calls a layer whose ``gradient_checkpointing`` flag is on (``gradient_checkpointing_enable()``)
+    through ``torch.utils.checkpoint``, which Dynamo cannot trace as a nested compile region (torch 2.13:
+    a KeyError on a size symbol, then a trace of every block after all)."""
+    return getattr(block, "gradient_checkpointing", False) is True and block.training
 
 
 def _base(cls: type) -> type:

@@ -27,7 +27,7 @@ import logging
 import operator
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
@@ -174,6 +174,22 @@ def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
 
 
+@contextlib.contextmanager
+def pytree_registry_untouched() -> Iterator[None]:
+    """Run ``GraphPickler`` against a copy of pytree's node registry. It registers ``slice`` for its work and
+    removes it after, which bumps the version of ``torch.utils._pytree.SUPPORTED_NODES``; a model whose
+    trace read the registry (transformers' models do) has a Dynamo guard on that version, built before
+    piper's deferred capture ran, so the second call recompiled the step."""
+    from torch.utils import _pytree as pytree
+
+    saved = pytree.SUPPORTED_NODES
+    pytree.SUPPORTED_NODES = dict(saved)
+    try:
+        yield
+    finally:
+        pytree.SUPPORTED_NODES = saved
+
+
 def _dumps(jgm: fx.GraphModule) -> bytes:
     from torch.fx._graph_pickler import Options
 
@@ -183,7 +199,8 @@ def _dumps(jgm: fx.GraphModule) -> bytes:
         for n in saved:
             n.meta = _clean_meta(n.meta, n in calls or (n.target is operator.getitem
                                                            and isinstance(n.args[0], fx.Node) and n.args[0] in calls))
-        return _pickler().dumps(jgm, Options(ops_filter=None, node_metadata_key_filter=None))
+        with pytree_registry_untouched():
+            return _pickler().dumps(jgm, Options(ops_filter=None, node_metadata_key_filter=None))
     finally:
         for n, meta in saved.items():
             n.meta = meta
@@ -196,7 +213,7 @@ def _loads(data: bytes) -> fx.GraphModule:
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), pytree_registry_untouched():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation inside the unpickler
         gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
     assert isinstance(gm, fx.GraphModule)

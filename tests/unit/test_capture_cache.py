@@ -144,3 +144,34 @@ def test_ranks_take_turns_unless_each_has_two_cores(monkeypatch):
     assert cache._take_turns("auto") and not cache._take_turns("each")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert not cache._take_turns("auto") and cache._take_turns("turns")
+
+
+class _TreeInputs(nn.Module):
+    """A forward that walks its inputs with torch's pytree (as transformers' models do): its Dynamo guards
+    check the version of pytree's node registry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = torch.utils._pytree.tree_leaves({"x": (x,)})[0] * 2
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+
+def test_exporting_or_loading_the_joint_graph_does_not_recompile_the_step(cache_dir):
+    """GraphPickler registers ``slice`` with pytree for its work and removes it after; done on the live
+    registry, that changed the version a step's guards (built before the deferred capture) check, and the
+    second call traced the model again. Exported (cold) and loaded (warm): no recompile."""
+    for want in ("captured", "loaded"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _TreeInputs()
+        step = piper.compile(model, directives=[piper.split(2)], codegen="eager",
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        for s in range(3):
+            g = torch.Generator().manual_seed(s)
+            step(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))
+        m = piper.stats(step)
+        assert (m.capture, m.recompiles) == (want, 0), (m.capture, m.recompiles)
+    assert slice not in torch.utils._pytree.SUPPORTED_NODES
