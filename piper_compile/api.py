@@ -112,11 +112,12 @@ def last_stats(step: Any) -> Any:
 
 
 def trained_step(step: Any) -> CompiledStep:
-    """The training variant of ``step`` (after its first training call)."""
-    for cs in compiled_steps(step):
-        if False in cs.plans:
-            return cs
-    raise PiperError("piper: the step has not trained yet")
+    """The training variant of ``step`` that trained last (after a recompile, the new one: what
+    ``piper.stats``, ``memory_report`` and ``trained_parameters`` describe is what runs now)."""
+    trained = [cs for cs in compiled_steps(step) if False in cs.plans]
+    if not trained:
+        raise PiperError("piper: the step has not trained yet")
+    return max(trained, key=lambda cs: cs.last_trained)
 
 
 def trained_parameters(step: Any) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class _NoopBackward(torch.autograd.Function):
 
 _ANCHOR = torch.zeros((), requires_grad=True)
 _NULL = contextlib.nullcontext()
+_TRAINING_CALLS = itertools.count(1)  # orders the training calls of every compiled variant (trained_step)
 
 
 class CompiledStep:
@@ -128,6 +130,7 @@ class CompiledStep:
         self.graph_timings: dict[str, float] = {}  # seconds per graph pass (passes/graph.py)
         self.float_constants: dict[int, tuple[str, float]] = {}  # input -> (source, value) compiled as a constant
         self.trained_calls = 0  # training calls so far (options["log_stats"])
+        self.last_trained = 0  # when this variant last trained, in the process's order of training calls
         self.flops: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}  # (segment, symbols) -> FLOPs (metrics.py)
         self.state: TrainState | None = None
         self.rank, self.world = world or world_info()
@@ -510,6 +513,7 @@ class CompiledStep:
         """``options["log_stats"] = N``: ``piper.stats``'s line at INFO every N training steps."""
         every = self.options.log_stats
         self.trained_calls += 1
+        self.last_trained = next(_TRAINING_CALLS)
         if every and self.trained_calls % every == 0 and metrics.LOG.isEnabledFor(logging.INFO):
             metrics.LOG.info("piper rank %d step %d: %s", self.rank, self.trained_calls, metrics.metrics_of(self).line())
 

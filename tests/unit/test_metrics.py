@@ -103,6 +103,12 @@ def test_a_recompile_is_said_once_and_counted():
     assert len(said) == 1 and "self.double" in said[0], said
     m = piper.stats(step)
     assert m.recompiles == 1 and m.compiled_segments >= 2 and m.fallbacks == 0
+    # stats, memory_report and trained_parameters describe the variant that trained last
+    first, second = [cs for cs in piper.compiled_steps(step) if False in cs.plans]
+    assert piper.api.trained_step(step) is second
+    model.double = False
+    step(x, y)
+    assert piper.api.trained_step(step) is first
 
 
 def test_a_recompile_that_traces_the_same_graph_reuses_the_step():
