@@ -479,6 +479,7 @@ class CompiledStep:
             self.state.deferred.replayer.clear()
         loss = self._run(plan.executor, list(args), check, train)
         if train:
+            self.last_trained = next(_TRAINING_CALLS)
             self._log_stats()
             loss = _NoopBackward.apply(loss, _ANCHOR)
         return (loss,)
@@ -513,7 +514,6 @@ class CompiledStep:
         """``options["log_stats"] = N``: ``piper.stats``'s line at INFO every N training steps."""
         every = self.options.log_stats
         self.trained_calls += 1
-        self.last_trained = next(_TRAINING_CALLS)
         if every and self.trained_calls % every == 0 and metrics.LOG.isEnabledFor(logging.INFO):
             metrics.LOG.info("piper rank %d step %d: %s", self.rank, self.trained_calls, metrics.metrics_of(self).line())
 

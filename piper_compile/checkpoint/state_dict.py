@@ -13,7 +13,6 @@ from torch import nn
 from piper_compile.errors import PiperError
 from piper_compile.checkpoint.layout import Ctx, raw_state_dict
 from piper_compile.checkpoint.pieces import StatefulDict, pieces_of
-from piper_compile.runtime.zero import Run
 
 
 def _model_entries(ctx: Ctx) -> dict[str, Any]:
@@ -56,8 +55,7 @@ def _optimizer_entries(ctx: Ctx, opt: torch.optim.Optimizer) -> tuple[dict[str, 
 
     for name in ctx.shards:
         b = z.buckets[name]
-        runs = b.runs if b.runs is not None else [Run(0, 0, b.shard_len, b.shard)]
-        for run in runs:
+        for run in b.opt_runs():
             fqns = [f for f, _, s, _ in b.local_pieces() if run.start <= s < run.start + run.length]
             for k, v in (opt.state.get(run.param) or {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == run.length:

@@ -123,16 +123,18 @@ class ShardBucket:
         flat = self.shard.detach()
         self.runs = [Run(g, a, b - a, nn.Parameter(flat[a:b], requires_grad=True)) for g, a, b in spans]
 
-    def opt_params(self) -> list[nn.Parameter]:
-        """What the optimizer updates of this shard: the shard, or its runs."""
+    def opt_runs(self) -> list[Run]:
+        """What the optimizer updates of this shard: its runs, or (one group) the whole shard as one."""
         assert self.shard is not None
-        return [self.shard] if self.runs is None else [r.param for r in self.runs]
+        return self.runs if self.runs is not None else [Run(0, 0, self.shard_len, self.shard)]
+
+    def opt_params(self) -> list[nn.Parameter]:
+        return [r.param for r in self.opt_runs()]
 
     def opt_grads(self, grad: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(optimizer parameter, its gradient) for ``grad``, this rank's gradient shard."""
-        if self.runs is None:
-            return [(self.shard, grad)]  # type: ignore[list-item]
-        return [(r.param, grad[r.start:r.start + r.length]) for r in self.runs]
+        return [(r.param, grad if r.length == grad.numel() else grad[r.start:r.start + r.length])
+                for r in self.opt_runs()]
 
 
 @dataclass
