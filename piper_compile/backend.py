@@ -321,6 +321,8 @@ class CompiledStep:
         """This rank's executable plan (process groups, shard layout, executor), once per model."""
         if forward_only in self.plans:
             return self.plans[forward_only]
+        if not forward_only and self.state is not None and self.joint is not None:
+            self.state.check_trained(frozenset(self.joint.grad_of.values()), self.options.directives)
         bp = self.blueprint(forward_only)
         dag, programs = bp.dag, bp.programs
         program = programs[self.rank]

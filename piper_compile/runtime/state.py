@@ -72,6 +72,7 @@ class TrainState:
         self.load_bytes = 0  # bytes the last Hugging Face checkpoint load read on this rank (checkpoint/hf.py)
         self.kinds: dict[int, tuple[torch.dtype, str]] = {}  # parameters' dtype and device since the first call
         self.group_of: dict[str, int] | None = None  # several optimizer groups: fqn -> group (param_groups.py)
+        self.trained: frozenset[str] | None = None  # parameters with gradients at the first training plan
 
     @property
     def device(self) -> torch.device:
@@ -93,6 +94,25 @@ class TrainState:
         return self.zero is None and not self.shards and not self.to_release and not self.released
 
     # -- ZeRO --------------------------------------------------------------------------------------
+    def check_trained(self, trained: frozenset[str], directives: Iterable[Any]) -> None:
+        """Under ZeRO the parameters that get gradients (``trained``) must stay those of the first training
+        plan: its shards and optimizer state are laid out over them. Every rank captured the whole model
+        and reads the same directives, so every rank refuses a change, before planning or communicating."""
+        if self.trained is None:
+            self.trained = trained
+        zero = next((d for d in directives if getattr(d, "zero", 0) > 0), None)
+        if zero is None or trained == self.trained:
+            return
+        changed = [f"{f} stopped requiring gradients" for f in sorted(self.trained - trained)]
+        changed += [f"{f} started requiring gradients" for f in sorted(trained - self.trained)]
+        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise PiperError(
+            f"piper: {', '.join(changed[:4])}{more} after this model trained under replicate(zero={zero.zero}): "
+            "ZeRO lays its shards and the optimizer state out over the parameters that get "
+            "gradients at the first training step, and piper cannot move them to another layout. Fix: set "
+            "requires_grad before the first step, or train without ZeRO (replicate(zero=0)), where "
+            "requires_grad may change between steps; setting it back resumes training")
+
     def ensure_zero(self, layout: Layout, named: dict[str, nn.Parameter], rank: int) -> None:
         """Adopt this rank's shard layout (the first plan sets it; every later plan must agree)."""
         self.named = named
