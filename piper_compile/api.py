@@ -1,6 +1,7 @@
 """User-facing helpers that act on a compiled step (``torch.compile(model, backend="piper")``)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from piper_compile.backend import CompiledStep
+from piper_compile.callmode import forward_only, wants_forward_only
 from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
 from piper_compile.capture.dynamo import capture_settings, give_own_forward, one_graph_errors, trace
@@ -229,11 +231,12 @@ def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool
                     st.marks_on = True
                     st.mark_released()  # reading a parameter piper released is an error until the next call
 
-        mode = torch.is_grad_enabled()
-        if mode in done:
-            return run()
-        with young_only():
-            out = run()
+        mode = not wants_forward_only()
+        with contextlib.nullcontext() if mode else forward_only():  # callmode.py: the training version
+            if mode in done:
+                return run()
+            with young_only():
+                out = run()
         done.add(mode)
         return out
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from piper_compile.callmode import training
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import accumulate, warmup
@@ -432,7 +433,7 @@ class CompiledStep:
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> tuple[torch.Tensor]:
         fresh = self.joint is None or self.state is None or not self.state.first_call_done \
-            or (not torch.is_grad_enabled()) not in self.plans
+            or (not training()) not in self.plans
         with young_only() if fresh else _NULL:  # capture, planning and loading code allocate heavily
             return self._enter(args)
 
@@ -444,16 +445,16 @@ class CompiledStep:
                 args = tuple(args[i] for i in self._arg_order)
             step = self.bind(args)
             if not local_calls():
-                step.blueprint(forward_only=not torch.is_grad_enabled())
+                step.blueprint(forward_only=not training())
         except Exception:
             if not local_calls():  # the other ranks must not wait for this one: tell them it failed
-                post_failure(self.rank, self.world, _leading_size(args), len(args), not torch.is_grad_enabled(),
+                post_failure(self.rank, self.world, _leading_size(args), len(args), not training(),
                              self.options.timeout_s if self._options is not None else 60.0)
             raise
         return step._call(args)
 
     def _call(self, args: tuple[Any, ...]) -> tuple[torch.Tensor]:
-        train = torch.is_grad_enabled()
+        train = training()
         self._check_inputs(args)
         if local_calls():
             return (self._local_call(args, train),)
@@ -489,7 +490,8 @@ class CompiledStep:
     def _run(self, executor: Any, args: list[Any], check: CallCheck, train: bool) -> torch.Tensor:
         """The step on this rank: as planned, or under ``options["cuda_graph"]`` recorded once and replayed."""
         if not (train and self.options.cuda_graph):
-            return executor.run(args, check)
+            with _NULL if train else torch.no_grad():  # callmode.forward_only calls come with grad mode on
+                return executor.run(args, check)
         if executor.graph is None:
             assert self.state is not None and self.joint is not None
             step_graph.refuse(self.state.device, self.world, self.options.optimizer is not None, self.state.scaler is not None)
@@ -533,8 +535,9 @@ class CompiledStep:
         bp = self.blueprint(True)
         assert self.joint is not None
         layout = CallLayout(bp.layout.microbatches, (0,), 1, (0,))
-        return executor.run(list(args), call_check(self.joint, self._form(), args, (self.state.index, bp.fingerprint, -1),
-                                                   True, layout, 0, 1, 0.0))
+        with torch.no_grad():  # callmode.forward_only calls come with grad mode on
+            return executor.run(list(args), call_check(self.joint, self._form(), args,
+                                                       (self.state.index, bp.fingerprint, -1), True, layout, 0, 1, 0.0))
 
     def _form(self) -> LossForm:
         """How the loss adds up over micro-batches and replicas (``capture/items.py``)."""

@@ -291,7 +291,7 @@ def _tracing_context(fakes: tuple[Any, ...]) -> Any:
 def _export_joint(gm: fx.GraphModule, fakes: tuple[Any, ...]) -> fx.GraphModule:
     """AOTAutograd's joint forward+backward graph of ``gm``, with flat placeholders and outputs."""
     try:
-        with contextlib.ExitStack() as stack, torch.enable_grad():
+        with contextlib.ExitStack() as stack, torch.inference_mode(False), torch.enable_grad():
             stack.enter_context(_tracing_context(fakes))
             stack.enter_context(schemas_once())
             jgm = aot_export_joint_with_descriptors(stack, gm, fakes).graph_module

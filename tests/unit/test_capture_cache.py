@@ -112,6 +112,23 @@ def test_a_second_capture_loads_the_first_and_plans_the_same(cache_dir, monkeypa
     assert out.returncode == 0 and int(out.stdout.split()[-1]) == len(first.gm.graph.nodes), out.stderr[-2000:]
 
 
+def test_a_capture_under_inference_mode_has_gradients_and_a_key_of_its_own(cache_dir):
+    """An export under ``torch.inference_mode`` had no backward, and it was kept under the key of a
+    ``torch.no_grad`` capture of the same graph, which then loaded it: ZeRO-3's forward-only plan lost its
+    parameter gathers and read released weights. The export now leaves inference mode, and the key reads
+    grad and inference mode."""
+    model = build_model("mlp", 0)
+    with torch.inference_mode():
+        t = _traced(model)
+        inference = capture_joint(t.gm, t.inputs, t.sources)
+    with torch.no_grad():
+        t = _traced(model)
+        no_grad = capture_joint(t.gm, t.inputs, t.sources)
+    names = sorted(n for n, _ in model.named_parameters())
+    assert (inference.how, no_grad.how) == ("captured", "captured"), "the two modes share a key"
+    assert sorted(inference.grad_of.values()) == sorted(no_grad.grad_of.values()) == names
+
+
 def test_a_damaged_entry_is_exported_again(cache_dir, caplog):
     model = build_model("gpt", 0, layers=1)
     t = _traced(model)
