@@ -100,20 +100,28 @@ def _check_single_loss(gm: fx.GraphModule, sources: list[str]) -> None:
     outs = out.args[0]
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     vals = [o.meta.get("example_value") if isinstance(o, fx.Node) else o for o in outs]
-    ok = len(vals) == 1 and isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0 and vals[0].is_floating_point()
-    if ok:
+    if len(vals) == 1 and _is_loss(vals[0]):
         return
     stored = _stored_buffers(gm, outs[1:], sources)
     if stored:
         raise PiperCaptureError(_buffer_update_error(stored, "in place (`self.calls += 1`)"))
     shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals]
+    hint = ""
+    if len(vals) > 1 and _is_loss(vals[0]) and not any(_is_loss(v) for v in vals[1:]):
+        hint = (" A transformers model called with labels= returns its logits with the loss: compile a module "
+                "whose forward returns the loss alone, e.g. `class WithLoss(nn.Module)` holding the model as "
+                "`self.m` with `def forward(self, **batch): return self.m(**batch).loss`.")
     raise PiperCaptureError(
         f"piper: the captured graph returns {len(vals)} value(s) {shapes}, not one scalar loss. Either the "
         "model's forward does not return a scalar loss, stores a tensor on the model (`self.x = ...`), or "
         "Dynamo split the model into several graphs (a graph break: print(), .item(), data-dependent "
         "control flow). piper needs one graph for the whole step: return the loss from forward, and "
-        "compile with fullgraph=True to see where the graph breaks (TORCH_LOGS=graph_breaks lists them)."
+        "compile with fullgraph=True to see where the graph breaks (TORCH_LOGS=graph_breaks lists them)." + hint
     )
+
+
+def _is_loss(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()
 
 
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow}

@@ -254,6 +254,18 @@ def test_forward_that_does_not_return_a_scalar_loss() -> None:
     assert "not one scalar loss" in msg
 
 
+def test_forward_that_returns_its_logits_with_the_loss() -> None:
+    """As a transformers model called with ``labels=`` does: the error says how to return the loss alone."""
+    class WithLogits(PrintBreak):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:  # type: ignore[override]
+            logits = self.b(self.a(x))
+            return {"loss": F.mse_loss(logits, y), "logits": logits}
+
+    m = WithLogits()
+    msg = _first_call_error(_compile(m, []), _batch(m), PiperCaptureError)
+    assert "returns 2 value(s)" in msg and "returns its logits with the loss" in msg and ".loss`" in msg
+
+
 class RunningState(PrintBreak):
     """A forward that keeps state of its own between calls: a step counter, an EMA, an input updated in
     place, or a tensor stored on the module."""
