@@ -262,7 +262,8 @@ class CompiledStep:
 
     def _new_state(self) -> None:
         assert self.joint is not None
-        self.state = state_for(self.joint.params, self.options.optimizer, self.link and self.link.module())
+        self.state = state_for(self.joint.params, self.options.optimizer, self.link and self.link.module(),
+                               self.raw_options)
         if self.link is not None and self.link.deferred is not None:
             self.state.deferred = self.link.deferred
         self.state.adopt_precision(self.options.precision)

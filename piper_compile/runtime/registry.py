@@ -111,16 +111,21 @@ def live_states() -> list[TrainState]:
 
 
 def state_for(named: dict[str, nn.Parameter], factory: Callable[..., torch.optim.Optimizer] | None,
-              module: nn.Module | None = None) -> TrainState:
+              module: nn.Module | None = None, options: Any = None) -> TrainState:
     """The state of the model whose calls pass exactly the parameters ``named``: an existing one (the grad
     and no-grad programs of one model share it; a state made by the API for the module before its first
-    call, holding all of the module's parameters, is adopted), or a new one. Refused where ``module``
-    (linked by ``piper.compile``) had parameters replaced since it trained, or where the existing
-    state's parameters changed dtype or device."""
+    call, holding all of the module's parameters, is adopted), or a new one. Versions of one model whose
+    forward reads different parameters (a branch on a Python flag: an auxiliary loss on some steps) share
+    one state: a module linked by ``piper.compile`` trains one holding all of its parameters; under
+    ``torch.compile`` (``options``: the dict it was given) a version reading a subset of an earlier
+    version's parameters takes that version's state, and one reading more is refused. Refused too where
+    ``module`` had parameters replaced since it trained, or where the state's parameters changed dtype or
+    device."""
     check_not_replaced(module, named)
     params = list(named.values())
     states = live_states()
-    st = next((s for s in states if _same_set(s.params, params)), None)
+    st = _linked_state(module, params, factory) if module is not None else None
+    st = st or next((s for s in states if _same_set(s.params, params)), None) or _earlier_version(states, named, options)
     if st is None:
         pre = [s for s in states if s.from_module and not s.steps and _covers(s.params, params)]
         st = pre[0] if len(pre) == 1 else None
@@ -132,6 +137,39 @@ def state_for(named: dict[str, nn.Parameter], factory: Callable[..., torch.optim
         st.factory = factory
     check_unchanged_kinds(st, named)
     return st
+
+
+def _linked_state(module: nn.Module, params: list[nn.Parameter], factory: Any) -> TrainState | None:
+    """The state of a ``piper.compile``d module, holding all of its parameters (made at its first call):
+    each version of its step trains the parameters its forward reads, with one optimizer, as eager does."""
+    if not _covers(list(module.parameters()), params):
+        return None  # another model's parameters (two models of one class sharing the compiled code)
+    st = state_of_module(module, factory, create=True)
+    return st if st is not None and _covers(st.params, params) else None
+
+
+def _earlier_version(states: list[TrainState], named: dict[str, nn.Parameter], options: Any) -> TrainState | None:
+    """Under ``torch.compile``: the state of an earlier version compiled from the same ``options`` dict whose
+    parameters cover ``named`` (this version's forward reads fewer); one that reads more is refused, since
+    that state's optimizer was built without them."""
+    if options is None:
+        return None
+    params = list(named.values())
+    for st in states:
+        if not any(getattr(step, "raw_options", None) is options for step in st.steps):
+            continue
+        if _covers(st.params, params):
+            return st
+        if _covers(params, st.params):
+            held = {id(p) for p in st.params}
+            more = sorted(f for f, p in named.items() if id(p) not in held)
+            raise PiperError(
+                f"piper: Dynamo compiled the step again, and this version's forward uses {len(more)} parameter(s) "
+                f"its first version did not ({', '.join(more[:4])}{', ...' if len(more) > 4 else ''}: a branch on "
+                "a Python attribute, e.g. an auxiliary loss turned on later), but the model's optimizer was built "
+                "without them. Compile it with piper.compile(model, ...), whose optimizer holds every parameter "
+                "of the model, or have the first compiled step use them")
+    return None
 
 
 def state_of_module(module: nn.Module, factory: Callable[..., torch.optim.Optimizer] | None = None,

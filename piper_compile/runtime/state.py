@@ -35,6 +35,10 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ON_SHARDED: list[Callable[["TrainState", Any], None]] = []
 
 
+def _names(fqns: list[str]) -> str:
+    return ", ".join(fqns[:4]) + (f" (and {len(fqns) - 4} more)" if len(fqns) > 4 else "")
+
+
 class TrainState:
     """One per model (keyed by its parameters), shared by the grad and no-grad compiled programs."""
 
@@ -103,15 +107,18 @@ class TrainState:
         zero = next((d for d in directives if getattr(d, "zero", 0) > 0), None)
         if zero is None or trained == self.trained:
             return
-        changed = [f"{f} stopped requiring gradients" for f in sorted(self.trained - trained)]
-        changed += [f"{f} started requiring gradients" for f in sorted(trained - self.trained)]
-        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        lost, gained = sorted(self.trained - trained), sorted(trained - self.trained)
+        what = [f"{_names(lost)} get no gradient in this version of the step (requires_grad turned off, or the "
+                "forward no longer uses them)"] if lost else []
+        what += [f"{_names(gained)} get gradients in this version of the step but not in the first (requires_grad "
+                 "turned on, or the forward now uses them)"] if gained else []
         raise PiperError(
-            f"piper: {', '.join(changed[:4])}{more} after this model trained under replicate(zero={zero.zero}): "
-            "ZeRO lays its shards and the optimizer state out over the parameters that get "
-            "gradients at the first training step, and piper cannot move them to another layout. Fix: set "
-            "requires_grad before the first step, or train without ZeRO (replicate(zero=0)), where "
-            "requires_grad may change between steps; setting it back resumes training")
+            f"piper: {'; '.join(what)}, after this model trained under replicate(zero={zero.zero}): ZeRO lays its "
+            "shards and the optimizer state out over the parameters that get gradients at the first training "
+            "step, and piper cannot move them to another layout. Fix: keep which parameters train fixed (set "
+            "requires_grad before the first step, use every branch's weights from the first step on), or train "
+            "without ZeRO (replicate(zero=0)), where it may change between steps; going back to the first "
+            "version resumes training")
 
     def ensure_zero(self, layout: Layout, named: dict[str, nn.Parameter], rank: int) -> None:
         """Adopt this rank's shard layout (the first plan sets it; every later plan must agree)."""
