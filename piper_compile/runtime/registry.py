@@ -100,6 +100,16 @@ def _same_set(a: Iterable[Any], b: Iterable[Any]) -> bool:
     return ia.keys() == ib.keys() and all(ia[k] is ib[k] for k in ia)
 
 
+def _outside(named: dict[str, nn.Parameter], params: Iterable[Any]) -> list[str]:
+    """The names in ``named`` whose parameters are not among ``params`` (by identity), sorted."""
+    held = {id(p): p for p in params}
+    return sorted(f for f, p in named.items() if held.get(id(p)) is not p)
+
+
+def _listing(fqns: list[str]) -> str:
+    return ", ".join(fqns[:4]) + (", ..." if len(fqns) > 4 else "")
+
+
 def _covers(big: Iterable[Any], small: Iterable[Any]) -> bool:
     ib = {id(x): x for x in big}
     return all(ib.get(id(x)) is x for x in small)
@@ -161,11 +171,10 @@ def _earlier_version(states: list[TrainState], named: dict[str, nn.Parameter], o
         if _covers(st.params, params):
             return st
         if _covers(params, st.params):
-            held = {id(p) for p in st.params}
-            more = sorted(f for f, p in named.items() if id(p) not in held)
+            more = _outside(named, st.params)
             raise PiperError(
                 f"piper: Dynamo compiled the step again, and this version's forward uses {len(more)} parameter(s) "
-                f"its first version did not ({', '.join(more[:4])}{', ...' if len(more) > 4 else ''}: a branch on "
+                f"its first version did not ({_listing(more)}: a branch on "
                 "a Python attribute, e.g. an auxiliary loss turned on later), but the model's optimizer was built "
                 "without them. Compile it with piper.compile(model, ...), whose optimizer holds every parameter "
                 "of the model, or have the first compiled step use them")
@@ -267,15 +276,14 @@ def check_not_replaced(module: nn.Module | None, named: dict[str, nn.Parameter])
     silently restart (data parallel) or be refused as another model's (ZeRO, pipeline stages): refused
     here, naming the parameters and the in-place way to change them."""
     trained = _trained_by(module) if module is not None else None
-    if trained is None or _same_set(trained.params, named.values()):
+    if trained is None or not _covers(list(module.parameters()), list(named.values())):
+        return  # not trained yet, or another model's parameters (two models of one class sharing the code)
+    new = _outside(named, trained.params)  # the forward may read a subset of the module's parameters
+    if not new:
         return
-    if not _same_set(module.parameters(), named.values()):
-        return  # another model's parameters (two models of one class sharing the compiled code)
-    old = {id(p) for p in trained.params}
-    new = sorted(f for f, p in named.items() if id(p) not in old)
     raise PiperError(
         f"piper: {len(new)} parameter(s) of this model were replaced by new tensors after piper started training "
-        f"it ({', '.join(new[:4])}{', ...' if len(new) > 4 else ''}), so its training state (optimizer state, "
+        f"it ({_listing(new)}), so its training state (optimizer state, "
         "shards, gradient buffers) no longer matches the model. Change a weight's values in place instead "
         "(with torch.no_grad(): module.weight.copy_(new)) or with model.load_state_dict(...) / piper.load(...), "
         "or assign new parameters before the first compiled step.")

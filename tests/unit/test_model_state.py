@@ -258,6 +258,19 @@ def test_a_parameter_replaced_after_training_started_is_refused() -> None:
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_a_parameter_replaced_in_a_model_with_an_unused_one_is_refused() -> None:
+    """The check compared the whole module with the parameters the forward reads, so a model holding a
+    parameter its forward never reads skipped it: a replaced weight silently got a fresh optimizer."""
+    model = build_model("mlp", 0)
+    model.spare = nn.Linear(4, 4)  # never read by the forward
+    step = piper.compile(model, codegen="eager", optimizer=SGD)
+    (x, y), = _batches(model, 1)
+    step(x, y)
+    model.layers[1].weight = nn.Parameter(model.layers[1].weight.detach().clone())
+    with pytest.raises(piper.PiperError, match=r"1 parameter\(s\) of this model were replaced .*\(layers.1.weight\)"):
+        step(x, y)
+
+
 def test_a_model_converted_after_training_started_is_refused() -> None:
     """``model.to(torch.bfloat16)`` between steps failed deep in a kernel ("expected scalar type BFloat16
     but found Float"); now the call names the parameters, the dtypes, and mixed_precision."""
