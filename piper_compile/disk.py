@@ -102,12 +102,12 @@ def package_hash() -> str:
 def trace_settings() -> str:
     """What besides a graph decides what tracing it gives (AOTAutograd's export of a joint graph, ``make_fx``
     of a segment): the torch version, piper's source, functorch's configuration, autocast, SDPA backends,
-    determinism, grad and inference mode (an export under ``torch.inference_mode`` has no backward)."""
+    determinism, inference mode (an export under ``torch.inference_mode`` had no backward; grad mode is not
+    read: a segment compiled ahead under it and one compiled at first use without it are the same)."""
     import torch._functorch.config as functorch_config
 
     autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda")]
     sdp = [f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
                          torch.backends.cuda.math_sdp_enabled)]
     return repr((torch.__version__, package_hash(), sorted(functorch_config.save_config_portable().items()),
-                 autocast, sdp, torch.are_deterministic_algorithms_enabled(), torch.is_grad_enabled(),
-                 torch.is_inference_mode_enabled()))
+                 autocast, sdp, torch.are_deterministic_algorithms_enabled(), torch.is_inference_mode_enabled()))

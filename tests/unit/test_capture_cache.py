@@ -116,7 +116,7 @@ def test_a_capture_under_inference_mode_has_gradients_and_a_key_of_its_own(cache
     """An export under ``torch.inference_mode`` had no backward, and it was kept under the key of a
     ``torch.no_grad`` capture of the same graph, which then loaded it: ZeRO-3's forward-only plan lost its
     parameter gathers and read released weights. The export now leaves inference mode, and the key reads
-    grad and inference mode."""
+    inference mode."""
     model = build_model("mlp", 0)
     with torch.inference_mode():
         t = _traced(model)
