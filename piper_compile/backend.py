@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from piper_compile.callmode import training
+from piper_compile.runtime import local_call
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import accumulate, warmup
@@ -36,7 +37,6 @@ from piper_compile.memory import check_budget, plan_memory
 from piper_compile.errors import PiperDirectiveError, PiperError
 from piper_compile.ir.dag import Kind, TrainingDAG
 from piper_compile.ir.meta import PrecisionMeta
-from piper_compile.ir.ops import LossReduce
 from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.ir.shard import ParamShard
 from piper_compile.passes.build import build_dag
@@ -361,16 +361,9 @@ class CompiledStep:
         rank alone, so it creates no process group (that would be collective)."""
         if self._local is None:
             bp = self.blueprint(True)
-            program = bp.programs[self.rank]
-            if not _only_loss_traffic(program):
-                traffic = next(i.short() for i in program.instrs
-                               if i.node.kind.is_comm and not isinstance(i.node.op, LossReduce))
-                raise PiperError(f"piper: piper.local(): this step's forward-only program communicates ({traffic} "
-                                 f"on rank {self.rank}: pipeline stages, ZeRO-3 gathers, expert or tensor "
-                                 "parallelism), so it cannot run on one rank alone. Call it under torch.no_grad() "
-                                 "on every rank instead")
+            program = local_call.alone(bp.programs[self.rank])
             self._compile_segments(program)
-            self._local = self._executor(_without_loss_reduce(program), None, bp.dag, True)
+            self._local = self._executor(program, None, bp.dag, True)
         return self._local
 
     def _executor(self, program: Program, groups: GroupRegistry | None, dag: TrainingDAG,
@@ -524,13 +517,8 @@ class CompiledStep:
 
     def _local_call(self, args: tuple[Any, ...], train: bool) -> torch.Tensor:
         """A call inside ``piper.local()``: this rank alone, forward-only, no communication."""
-        if train:
-            raise PiperError("piper: piper.local() runs forward-only calls on this rank alone; wrap the call in "
-                             "torch.no_grad() (a training step is collective over the world)")
         assert self.state is not None
-        if not self.state.broadcast_done:
-            raise PiperError("piper: piper.local(): the model has not made a collective call yet (its first call "
-                             "makes every replica start from rank 0's weights); call the step on every rank first")
+        local_call.check_local_call(train, self.state.broadcast_done)
         executor = self._local_executor()
         residency.check_resident(residency.reads_of(executor.program), self.state, self.rank, "piper.local() program")
         bp = self.blueprint(True)
@@ -565,15 +553,6 @@ class CompiledStep:
 def _leading_size(args: tuple[Any, ...]) -> int:
     """The leading size of the first tensor argument (what a failed call reports as its batch)."""
     return next((int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), 0)
-
-
-def _only_loss_traffic(program: Program) -> bool:
-    """Whether the program's only communication is the loss all-reduce (it can run on one rank alone)."""
-    return all(not i.node.kind.is_comm or isinstance(i.node.op, LossReduce) for i in program.instrs)
-
-
-def _without_loss_reduce(program: Program) -> Program:
-    return Program(program.rank, [i for i in program.instrs if not isinstance(i.node.op, LossReduce)])
 
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,

@@ -11,24 +11,23 @@ behaviour: a no-grad call is a version of its own, captured with gradients (``ca
 from __future__ import annotations
 
 import contextlib
-import threading
+import contextvars
 from typing import Iterator
 
 import torch
 
-_STATE = threading.local()
+_FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("piper_forward_only", default=False)
 
 
 @contextlib.contextmanager
 def forward_only() -> Iterator[None]:
     """Run what is inside as a forward-only call, traced and captured as a training call would be."""
-    prior = getattr(_STATE, "on", False)
-    _STATE.on = True
+    token = _FORWARD_ONLY.set(True)
     try:
         with torch.inference_mode(False), torch.enable_grad():
             yield
     finally:
-        _STATE.on = prior
+        _FORWARD_ONLY.reset(token)
 
 
 def wants_forward_only() -> bool:
@@ -38,4 +37,4 @@ def wants_forward_only() -> bool:
 
 def training() -> bool:
     """This call of a compiled step trains (else it runs the forward-only plan)."""
-    return torch.is_grad_enabled() and not getattr(_STATE, "on", False)
+    return torch.is_grad_enabled() and not _FORWARD_ONLY.get()

@@ -5,6 +5,11 @@ import json
 from typing import Any
 
 
+def some(names: list[str], n: int = 4) -> str:
+    """The first ``n`` of ``names`` for a message, and how many more there are."""
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
 class PiperError(RuntimeError):
     """Base class of every error piper raises on purpose."""
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from piper_compile.checkpoint import commit
-from piper_compile.errors import PiperError
+from piper_compile.errors import PiperError, some
 
 T = TypeVar("T")
 
@@ -135,9 +135,9 @@ def check_keys(model_keys: list[str], metadata: Any, path: str, strict: bool) ->
     what = []
     if unexpected:
         what.append(f"it holds {len(unexpected)} entr{'y' if len(unexpected) == 1 else 'ies'} the model lacks "
-                    f"(unexpected: {_some(unexpected)})")
+                    f"(unexpected: {some(unexpected, 8)})")
     if missing:
-        what.append(f"it lacks {len(missing)} the model has (missing: {_some(missing)})")
+        what.append(f"it lacks {len(missing)} the model has (missing: {some(missing, 8)})")
     if not any(k.startswith("model.") for k in metadata.state_dict_metadata):
         what.append("it has no 'model.' entries at all: piper loads checkpoints of the layout {'model': "
                     "model.state_dict(), 'optim': ...} (piper.save, or dcp.save({'model': model.state_dict()}))")
@@ -149,5 +149,3 @@ def check_keys(model_keys: list[str], metadata: Any, path: str, strict: bool) ->
     return missing, unexpected
 
 
-def _some(keys: list[str], n: int = 8) -> str:
-    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")

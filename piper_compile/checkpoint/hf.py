@@ -29,7 +29,7 @@ from torch import nn
 from piper_compile.checkpoint.dcp_io import on_rank0
 from piper_compile.checkpoint.layout import Ctx, raw_state_dict
 from piper_compile.checkpoint.pieces import ShardPieces
-from piper_compile.errors import PiperError
+from piper_compile.errors import PiperError, some
 
 INDEX = "model.safetensors.index.json"
 
@@ -135,8 +135,8 @@ def check(module: nn.Module, path: str, strict: bool) -> tuple[list[str], list[s
     unexpected = sorted(k for k in md if k not in known)
     if strict and (missing or unexpected):
         raise PiperError(f"piper: the Hugging Face checkpoint {path} does not match the model: "
-                         + "; ".join(w for w in (f"missing {_some(missing)}" if missing else "",
-                                                 f"unexpected {_some(unexpected)}" if unexpected else "") if w)
+                         + "; ".join(w for w in (f"missing {some(missing, 6)}" if missing else "",
+                                                 f"unexpected {some(unexpected, 6)}" if unexpected else "") if w)
                          + ". Load the checkpoint of this model (names below the transformers model it contains), "
                          "or pass strict=False")
     return missing, unexpected, reader, md
@@ -244,5 +244,3 @@ def _finish(tmp: str, path: str, files: list[dict[str, str]], hf_model: nn.Modul
     os.replace(tmp, path)
 
 
-def _some(keys: list[str], n: int = 6) -> str:
-    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from piper_compile.errors import PiperError
+from piper_compile.errors import PiperError, some
 from piper_compile.runtime.state import TrainState
 
 class ModelLink:
@@ -106,10 +106,6 @@ def _outside(named: dict[str, nn.Parameter], params: Iterable[Any]) -> list[str]
     return sorted(f for f, p in named.items() if held.get(id(p)) is not p)
 
 
-def _listing(fqns: list[str]) -> str:
-    return ", ".join(fqns[:4]) + (", ..." if len(fqns) > 4 else "")
-
-
 def _covers(big: Iterable[Any], small: Iterable[Any]) -> bool:
     ib = {id(x): x for x in big}
     return all(ib.get(id(x)) is x for x in small)
@@ -174,7 +170,7 @@ def _earlier_version(states: list[TrainState], named: dict[str, nn.Parameter], o
             more = _outside(named, st.params)
             raise PiperError(
                 f"piper: Dynamo compiled the step again, and this version's forward uses {len(more)} parameter(s) "
-                f"its first version did not ({_listing(more)}: a branch on "
+                f"its first version did not ({some(more)}: a branch on "
                 "a Python attribute, e.g. an auxiliary loss turned on later), but the model's optimizer was built "
                 "without them. Compile it with piper.compile(model, ...), whose optimizer holds every parameter "
                 "of the model, or have the first compiled step use them")
@@ -235,8 +231,7 @@ def check_shared_parameters(st: TrainState) -> None:
         shared = [f for f, p in other.named.items() if mine.get(id(p)) is p]
         if shared and not (st.is_plain and other.is_plain):
             raise PiperError(
-                f"piper: this model shares {len(shared)} parameter(s) ({', '.join(sorted(shared)[:4])}"
-                f"{', ...' if len(shared) > 4 else ''}) with another model compiled with piper, and one of them "
+                f"piper: this model shares {len(shared)} parameter(s) ({some(sorted(shared))}) with another model compiled with piper, and one of them "
                 "shards or releases parameters (ZeRO, expert/tensor parallel or pipeline stages), so their "
                 "updates would land on storage the other re-laid out. Fix: compile one module that contains "
                 "both (e.g. a wrapper whose forward returns the sum of both losses), or give each model its own "
@@ -283,7 +278,7 @@ def check_not_replaced(module: nn.Module | None, named: dict[str, nn.Parameter])
         return
     raise PiperError(
         f"piper: {len(new)} parameter(s) of this model were replaced by new tensors after piper started training "
-        f"it ({_listing(new)}), so its training state (optimizer state, "
+        f"it ({some(new)}), so its training state (optimizer state, "
         "shards, gradient buffers) no longer matches the model. Change a weight's values in place instead "
         "(with torch.no_grad(): module.weight.copy_(new)) or with model.load_state_dict(...) / piper.load(...), "
         "or assign new parameters before the first compiled step.")

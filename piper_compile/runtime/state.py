@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from piper_compile.errors import PiperError
+from piper_compile.errors import PiperError, some
 from piper_compile.ir.ops import Update
 from piper_compile.ir.shard import ParamShard
 from piper_compile.precision import Precision
@@ -33,10 +33,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # Called by ready() once per TrainState, at the first call that finds it sharded (ZeRO), with the state
 # and the calling CompiledStep (piper_compile.checkpoint installs the module's state_dict hooks here).
 ON_SHARDED: list[Callable[["TrainState", Any], None]] = []
-
-
-def _names(fqns: list[str]) -> str:
-    return ", ".join(fqns[:4]) + (f" (and {len(fqns) - 4} more)" if len(fqns) > 4 else "")
 
 
 class TrainState:
@@ -108,9 +104,9 @@ class TrainState:
         if zero is None or trained == self.trained:
             return
         lost, gained = sorted(self.trained - trained), sorted(trained - self.trained)
-        what = [f"{_names(lost)} get no gradient in this version of the step (requires_grad turned off, or the "
+        what = [f"{some(lost)} get no gradient in this version of the step (requires_grad turned off, or the "
                 "forward no longer uses them)"] if lost else []
-        what += [f"{_names(gained)} get gradients in this version of the step but not in the first (requires_grad "
+        what += [f"{some(gained)} get gradients in this version of the step but not in the first (requires_grad "
                  "turned on, or the forward now uses them)"] if gained else []
         raise PiperError(
             f"piper: {'; '.join(what)}, after this model trained under replicate(zero={zero.zero}): ZeRO lays its "
