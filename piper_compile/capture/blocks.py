@@ -3,9 +3,10 @@
 ``piper.compile`` marks the blocks of every ``ModuleList`` / ``Sequential`` whose children are alike
 (the same class, the same parameter and buffer shapes and dtypes, at least two of them) with
 ``torch.compiler.nested_compile_region``: Dynamo then traces one block and stamps it out for the others
-(after checking its guards on each), and AOTAutograd exports its forward and backward once
-(``capture/subgraphs.py`` inlines the calls into piper's flat graph afterwards). A 32-layer model's trace
-and export cost about what one block's do, in place of growing with the layer count.
+(after checking its guards on each; ``capture/region_guards.py`` makes each keep them at run time), and
+AOTAutograd exports its forward and backward once (``capture/subgraphs.py`` inlines the calls into
+piper's flat graph afterwards). A 32-layer model's trace and export cost about what one block's do, in
+place of growing with the layer count.
 
 A block is marked through a subclass per class (``Region<Block>``) whose ``forward`` is the marked
 original; the module keeps its identity, parameters and state-dict names, and outside ``torch.compile``
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from piper_compile.capture import region_guards
 from piper_compile.capture.annotate import Made, _annotated_class, _ModuleAnnotation
 from piper_compile.directives.spec import Directive, ShardTensor
 from piper_compile.disk import TESTED_TORCH, torch_version
@@ -153,13 +155,14 @@ def wanted(directives: list[Directive]) -> bool:
     """Whether ``PIPER_NESTED_REGIONS`` marks blocks for a step with ``directives``: "auto" does unless a
     directive rewrites layers of Dynamo's graph one by one (``shard_tensor``), which a shared body cannot
     carry per layer, or torch is older than the one the region metadata (``capture/subgraphs.py``) is
-    tested with."""
+    tested with. Never where Dynamo's reuse check is not the one ``capture/region_guards.py`` makes guard
+    every block: a later block's changed attribute would be ignored."""
     mode = knob("PIPER_NESTED_REGIONS")
     if mode == "off" or getattr(torch.compiler, "nested_compile_region", None) is None:
         return False
-    if mode == "on":
-        return True
-    return torch_version() >= TESTED_TORCH and not any(isinstance(d, ShardTensor) for d in directives)
+    if mode != "on" and (torch_version() < TESTED_TORCH or any(isinstance(d, ShardTensor) for d in directives)):
+        return False
+    return region_guards.install()  # a torch whose stamped-out blocks piper cannot guard: trace every block
 
 
 def mark_repeated_blocks(model: nn.Module) -> list[str]:

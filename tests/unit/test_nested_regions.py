@@ -140,6 +140,53 @@ def test_auto_marks_only_on_the_torch_the_region_metadata_is_tested_with(monkeyp
     assert blocks.wanted([]) is True
 
 
+def test_an_attribute_of_a_later_block_changed_between_steps_compiles_the_step_again():
+    """Dynamo stamps the body of block 0 out for blocks 1-3 after checking its guards on them; torch 2.13
+    then guarded only block 0 at run time, so a later block's changed attribute was silently ignored
+    (``capture/region_guards.py``). The change compiles the step again, said once, and training follows eager."""
+    import warnings
+
+    model = _gpt()
+    eager = _gpt()
+    opt = SGD(eager.parameters())
+    step = piper.compile(model, directives=[piper.split(1)], optimizer=SGD, codegen="eager")
+    batch = model.make_batch(8, torch.Generator().manual_seed(1))
+    losses, expected = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            if i == 1:
+                model.blocks[2].ln1.eps = eager.blocks[2].ln1.eps = 0.5
+            losses.append(float(step(*batch)))
+            loss = eager(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            expected.append(float(loss))
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert losses[1] != pytest.approx(losses[0], rel=1e-3)  # the change is visible in the loss
+    said = [str(w.message) for w in caught if "compiles the piper step again" in str(w.message)]
+    assert len(said) == 1 and "eps" in said[0], said
+    params = model.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.allclose(params[k], v, rtol=1e-5, atol=1e-6), k
+
+
+def test_regions_are_off_where_dynamo_reuse_check_is_not_the_known_one(monkeypatch):
+    from torch._dynamo.variables import invoke_subgraph
+
+    from piper_compile.capture import region_guards
+
+    monkeypatch.setattr(region_guards, "_state", {})
+    monkeypatch.setattr(invoke_subgraph, "is_reusable", lambda tx, cond, fp: True)  # another torch's check
+    assert blocks.wanted([]) is False
+    monkeypatch.setattr(region_guards, "_state", {})
+    monkeypatch.delattr(invoke_subgraph, "is_reusable")
+    assert region_guards.install() is False
+    monkeypatch.undo()
+    assert blocks.wanted([]) is True
+
+
 def _unnamed(text: str, names: set[str]) -> str:
     """A plan's text with the values' names left out (inlined nodes are named otherwise than a flat
     capture's): names become ``v``, lists of them are sorted, columns are not aligned."""
