@@ -58,6 +58,11 @@ def _register_backend() -> None:
 import torch._dynamo as _dynamo  # noqa: E402
 
 _register_backend()
+from piper_compile.capture import region_guards  # noqa: E402
+
+# a nested compile region guards every block it is stamped out for, also the user's own under
+# torch.compile(backend="piper") (Dynamo's reuse check runs while tracing, before any backend sees the graph)
+region_guards.install()
 from piper_compile.capture.annotate import annotate  # noqa: E402
 from piper_compile.checkpoint import (  # noqa: E402
     CheckpointIncomplete, LoadResult, full_state_dict, load, load_full_state_dict, materialize_optimizer_state, save, sharded_state_dict,

@@ -172,6 +172,18 @@ def test_an_attribute_of_a_later_block_changed_between_steps_compiles_the_step_a
         assert torch.allclose(params[k], v, rtol=1e-5, atol=1e-6), k
 
 
+def test_regions_the_user_marked_are_guarded_per_block_from_import_on(tmp_path):
+    """The user's own nested compile regions under ``torch.compile(model, backend="piper")`` are traced
+    before the backend runs: importing piper is what makes their stamped-out calls keep their guards."""
+    import subprocess
+    import sys
+
+    code = ("import piper_compile\nfrom torch._dynamo.variables import invoke_subgraph as r\n"
+            "print(getattr(r.is_reusable, '_piper_guards', False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 def test_regions_are_off_where_dynamo_reuse_check_is_not_the_known_one(monkeypatch):
     from torch._dynamo.variables import invoke_subgraph
 
