@@ -101,8 +101,8 @@ def assign_regions(gm: fx.GraphModule, defer_forward_only: bool = False) -> tupl
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     tags = _renumber_auto(nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
-    passes = {n.name: ("B" if n.meta.get("partitioner_tag") == "is_backward" else "F") for n in nodes}
     grad_seeds = {n.name for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
+    passes = _passes(nodes, grad_seeds)
     if not any(tags.values()):
         return {n.name: () for n in nodes}, passes
     region: dict[str, Region] = {}
@@ -143,6 +143,22 @@ def assign_regions(gm: fx.GraphModule, defer_forward_only: bool = False) -> tupl
     for n in nodes:  # anything left (e.g. dead code) joins the previous node's region
         last = region.setdefault(n.name, last)
     return region, passes
+
+
+def _passes(nodes: list[fx.Node], grad_seeds: set[str]) -> dict[str, str]:
+    """Forward ("F") or backward ("B") of each node (in graph order): AOTAutograd's tag where it set one.
+    It leaves the backward of a custom ``torch.autograd.Function`` untagged (its ``backward`` traced as a
+    body of its own and inlined): an untagged node is backward where it reads a backward value or a
+    gradient seed, else forward."""
+    passes: dict[str, str] = {}
+    for n in nodes:
+        tag = n.meta.get("partitioner_tag")
+        if tag in ("is_backward", "is_forward"):
+            passes[n.name] = "B" if tag == "is_backward" else "F"
+        else:
+            passes[n.name] = "B" if any(passes.get(a.name) == "B" or a.name in grad_seeds
+                                        for a in n.all_input_nodes) else "F"
+    return passes
 
 
 def param_derived(gm: fx.GraphModule, joint: JointGraph) -> set[str]:
