@@ -29,6 +29,14 @@ from piper_compile.disk import locks, one_at_a_time, constant_bytes
 
 _COMPILED: dict[str, Callable[[list[Any]], Any]] = {}  # segment_key -> Inductor's function, this process
 
+# Inductor lays the tensors around a CPU convolution out channels-last (its layout optimization, and the
+# mkldnn fusions that replace aten.convolution), also a graph's outputs unless they are the user's, and
+# compile_fx_inner takes none for the user's. The next segment, compiled for the joint graph's strides,
+# then got channels-last tensors: a view of one failed to compile and to run eagerly (a conv net's step
+# raised). Every segment output is the user's here (:func:`_outputs_as_traced`), with layout optimization
+# off, so each keeps the strides piper planned with.
+_FX_KWARGS: dict[str, Any] = {"layout_opt": False}
+
 
 def forget() -> None:
     """Drop the functions compiled in this process (the on-disk cache stays)."""
@@ -40,7 +48,8 @@ def settings() -> str:
     import torch._inductor.config as inductor_config
 
     # the config module's own hash (kept until the configuration changes), as Inductor's cache key uses it
-    return f"{inductor_config.get_hash().hex()[:16]}{int(torch.are_deterministic_algorithms_enabled())}"
+    return (f"{inductor_config.get_hash().hex()[:16]}{int(torch.are_deterministic_algorithms_enabled())}"
+            f"{''.join(f'{k}={v}' for k, v in sorted(_FX_KWARGS.items()))}")
 
 
 def segment_key(static: fx.GraphModule, args: list[Any]) -> str:
@@ -66,7 +75,7 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
     if key in _COMPILED:
         return _COMPILED[key], "reused"
     if not use_cache:
-        compiled, how = compile_fx_inner(static, list(args)), "off"
+        compiled, how = compile_fx_inner(_outputs_as_traced(static), list(args), **_FX_KWARGS), "off"
     else:
         # A tracing context with a shape env lets Inductor's FX graph cache key the (static) graph.
         fakes = fakes_of(args)
@@ -74,12 +83,21 @@ def compile_once(static: fx.GraphModule, args: list[Any], use_cache: bool = True
         # Once a rank wrote the artifact, ranks load it side by side; only compiling takes turns.
         with (contextlib.nullcontext() if _written(key) else one_at_a_time(key)), tracing(TracingContext(mode)):
             before = counts()
-            compiled = compile_fx_inner(static, fakes)
+            compiled = compile_fx_inner(_outputs_as_traced(static), fakes, **_FX_KWARGS)
             how = outcome(before, counts())
             if how in ("hit", "miss"):
                 _mark_written(key)
     _COMPILED[key] = compiled
     return compiled, how
+
+
+def _outputs_as_traced(static: fx.GraphModule) -> fx.GraphModule:
+    """Mark every output of ``static`` as the user's: Inductor then gives each the strides it had before its
+    own passes (as ``compile_fx`` does for a model's outputs)."""
+    out = static.graph.find_nodes(op="output")[0]
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else out.args
+    out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(values) if isinstance(v, fx.Node)]
+    return static
 
 
 def fakes_of(args: list[Any]) -> list[Any]:
