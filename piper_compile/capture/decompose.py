@@ -166,10 +166,20 @@ def _facts(node: fx.Node, specs: dict[str, InputSpec], facts: dict[fx.Node, _Fac
         return _Facts(batched, bool(spec is not None and spec.kind == INPUT and spec.batched), False,
                       spec is not None and spec.kind in (INPUT, BUFFER, SYM))
     inputs = [facts[a] for a in node.all_input_nodes if a in facts]
+    if _a_size(node.meta.get("val")):  # a shape read off a value (an upsampled height): no sample values in it
+        return _Facts(False, False, False)
     data = any(f.data for f in inputs)
     reduced = data and any(t.is_floating_point() and not any(_carries(s, symbols) for s in t.shape)
                            and 0 not in [s for s in t.shape if isinstance(s, int)] for t in tensors)
     return _Facts(batched, data, reduced, all(f.known for f in inputs))
+
+
+def _a_size(val: Any) -> bool:
+    """Whether a node's value is a size known before the step runs: an int or a size symbol with a hint (not
+    an unbacked one, which a count of selected samples gives)."""
+    if isinstance(val, bool) or not isinstance(val, (int, torch.SymInt)):
+        return False
+    return not (isinstance(val, torch.SymInt) and free_unbacked_symbols(val))
 
 
 def _carries(size: Any, symbols: frozenset[Any]) -> bool:

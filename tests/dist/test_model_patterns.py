@@ -1,5 +1,5 @@
 """Everyday model code under data and pipeline parallelism with Inductor, against eager: a conv net with
-in-place ReLUs, weight-normalized layers (``torch.nn.utils.parametrizations``), and a teacher read under
+in-place ReLUs, a small U-Net, weight-normalized layers (``torch.nn.utils.parametrizations``), and a teacher read under
 ``torch.no_grad()`` inside the forward.
 
 The conv net raised before: Inductor lays the tensors around a CPU convolution out channels-last, also a
@@ -37,6 +37,35 @@ class ConvNet(nn.Module):
         return F.cross_entropy(self.head(x.flatten(1)), y)
 
 
+class UpBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.conv = nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(F.silu(self.norm(x)))
+
+
+class UNet(nn.Module):
+    """Group norms, a strided convolution, a nearest-neighbour upsampling and a skip concatenation. The
+    upsampling's index arithmetic on its output size was taken for a statistic of the batch, and every
+    split plan was refused (``capture/decompose._a_size``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc, self.down = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.blocks = nn.ModuleList(UpBlock() for _ in range(4))
+        self.out = nn.Conv2d(16, 1, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = skip = self.inc(x.view(-1, 1, 8, 8))
+        for i, b in enumerate(self.blocks):
+            h = b(h)
+            if i == 1:
+                h = F.interpolate(self.down(h), scale_factor=2.0, mode="nearest")
+        return F.mse_loss(self.out(torch.cat([h, skip], 1)).flatten(1), torch.tanh(x))  # denoise-like; y unused
+
+
 class WeightNormNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -67,7 +96,7 @@ class TeacherNet(nn.Module):
         return F.cross_entropy(self.head(h), y) + F.mse_loss(h, target)
 
 
-MODELS = {"conv": ConvNet, "weight_norm": WeightNormNet, "teacher": TeacherNet}
+MODELS = {"conv": ConvNet, "unet": UNet, "weight_norm": WeightNormNet, "teacher": TeacherNet}
 
 
 def _model(name: str) -> nn.Module:
