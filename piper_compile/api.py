@@ -14,7 +14,7 @@ from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
 from piper_compile.capture.dynamo import capture_settings, give_own_forward, one_graph_errors, trace
 from piper_compile.gcwindow import young_only
-from piper_compile.errors import PiperDirectiveError, PiperError
+from piper_compile.errors import PiperDirectiveError, PiperError, some
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
 from piper_compile.runtime.registry import link, state_of_module
@@ -186,12 +186,25 @@ def capture_step(model: nn.Module, *example_args: Any, directives: Any, world_si
     """Capture ``model`` on ``example_args`` into a ``CompiledStep`` for ``world_size`` ranks: the joint
     graph cut into segments, not yet planned (``plan`` builds on it; the golden pass tests run its
     passes one by one). Leaves no Dynamo cache entry on the model's code."""
+    _check_materialized(model)
     opts = {**(options or {}), "directives": directives}
     _mark_blocks(model, opts)  # traced as piper.compile traces it: repeated blocks once
     linked = link(model, opts)
     linked.call = (example_args, {})
     traced = flat_on_failure(model, lambda: trace(model, example_args))
     return CompiledStep(traced.gm, traced.inputs, opts, world=(0, world_size), sources=traced.sources, link=linked)
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """Refuse a model whose lazy modules (``nn.LazyLinear``) have not made their parameters yet: piper
+    plans, shards and registers the parameters before the first step runs."""
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    lazy += [n for n, b in model.named_buffers() if isinstance(b, nn.parameter.UninitializedBuffer)]
+    if lazy:
+        raise PiperError(f"piper: {type(model).__name__} has lazy modules whose parameters are not made yet "
+                         f"({some(lazy)}): piper plans and shards the parameters before the first step. Run the "
+                         "model once on an example batch before compiling it (`with torch.no_grad(): model(*batch)`), "
+                         "which gives each lazy module its shapes")
 
 
 def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> bool:
@@ -248,6 +261,7 @@ def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Mod
     plus an explicit link from the compiled step to ``model`` (``runtime/registry.ModelLink``): what
     ``options["mixed_precision"]`` needs (piper traces the model again in the compute dtype), and how
     ``piper.optimizer(step)`` and ``model.state_dict()`` find the step's training state."""
+    _check_materialized(model)
     opts = {**options, "directives": list(directives)}
     marked = _mark_blocks(model, opts)
     # Dynamo keeps at most recompile_limit (8) compiled entries per code object, and each piper.compile

@@ -551,3 +551,40 @@ def test_same_settings_twice_and_wildcard_orders_are_fine() -> None:
     piper.plan(m, *_batch(m), directives=[*piper.pipeline(2), piper.place({"PP": 0}, [0]), piper.split(2),
                                           piper.order({"PP": 0, "MB": "*", "PASS": "F"},
                                                       {"PP": 0, "MB": "*", "PASS": "B"})], world_size=2)
+
+
+class _LazyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.LazyLinear(16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return F.cross_entropy(self.head(x), y)
+
+
+def test_lazy_modules_are_named_until_a_forward_makes_their_parameters() -> None:
+    """``piper.compile`` of a model with lazy modules raised torch's "Can't access the shape of an
+    uninitialized parameter" from piper's block marking; it now says what to do, and doing it trains."""
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with pytest.raises(PiperError, match=r"lazy modules whose parameters are not made yet \(blocks\.0\.weight.*"
+                                         r"model\(\*batch\)"):
+        piper.compile(_LazyNet(), directives=[piper.split(2)], optimizer=sgd)
+    torch.manual_seed(0)
+    ref = _LazyNet()
+    with torch.no_grad():
+        ref(x, y)
+    model = _LazyNet()
+    with torch.no_grad():
+        model(x, y)
+    model.load_state_dict(ref.state_dict())
+    loss = ref(x, y)
+    loss.backward()
+    sgd(ref.parameters()).step()
+    step = piper.compile(model, directives=[piper.split(2)], optimizer=sgd, codegen="eager")
+    assert float(step(x, y)) == pytest.approx(float(loss), rel=1e-6)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-7)
