@@ -340,13 +340,33 @@ def _joint_outputs(jgm: fx.GraphModule, specs: list[InputSpec]) -> tuple[str, di
         elif dname == "GradAOTOutput" and o is not None:
             spec = specs[d.grad_of.idx]
             if spec.kind == PARAM and isinstance(o, fx.Node) and o.op != "placeholder":
+                _check_dense(o, spec)
                 grad_of[o.name] = spec.name
         elif dname not in ("GradAOTOutput", "PlainAOTOutput", "NoneType"):
             mutated.append(d)
     if mutated:
-        raise PiperCaptureError(_mutation_error(mutated, specs))
+        raise PiperCaptureError(_mutation_error(mutated, specs) + _renorm_hint(jgm))
     assert loss is not None
     return loss, grad_of
+
+
+def _check_dense(grad: fx.Node, spec: InputSpec) -> None:
+    """Refuse a sparse gradient (``nn.Embedding(sparse=True)``): piper's buckets, reductions, clipping and
+    optimizer runs are dense; torch failed deep in a segment instead."""
+    val = grad.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.layout != torch.strided:
+        raise PiperCaptureError(
+            f"piper: the gradient of param '{spec.name}' is {val.layout} (nn.Embedding(sparse=True) or "
+            "F.embedding(..., sparse=True)); piper reduces, buckets, clips and steps dense gradients. Build the "
+            "embedding with sparse=False (the default): the dense gradient trains the same.")
+
+
+def _renorm_hint(jgm: fx.GraphModule) -> str:
+    """Where the in-place update is ``nn.Embedding(max_norm=...)``'s renormalization, what to do instead."""
+    if not any("embedding_renorm" in str(n.target) for n in jgm.graph.nodes if n.op == "call_function"):
+        return ""
+    return (" Here it is nn.Embedding(max_norm=...), which renormalizes the rows it looks up in place on every "
+            "call: build it without max_norm, or renormalize the weight under torch.no_grad() between steps.")
 
 
 def _mutation_error(descs: list[Any], specs: list[InputSpec]) -> str:

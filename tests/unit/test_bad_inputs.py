@@ -588,3 +588,28 @@ def test_lazy_modules_are_named_until_a_forward_makes_their_parameters() -> None
     assert float(step(x, y)) == pytest.approx(float(loss), rel=1e-6)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-7)
+
+
+class _Bag(nn.Module):
+    def __init__(self, **embedding: Any) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, **embedding)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(self.head(self.emb(x).mean(1)), y)
+
+
+@pytest.mark.parametrize("embedding, says", [
+    ({"sparse": True}, "the gradient of param 'emb.weight' is torch.sparse_coo (nn.Embedding(sparse=True)"),
+    ({"max_norm": 1.0}, "updates param 'emb.weight' in place; piper cannot carry an in-place update of an input "
+                        "through micro-batches and replicas. Compute on a copy (`x = x.clone()`, or an "
+                        "out-of-place op) inside forward. Here it is nn.Embedding(max_norm=...)")])
+def test_embeddings_piper_cannot_train_say_so(embedding: dict[str, Any], says: str) -> None:
+    """A sparse gradient failed deep in a segment (``aten::where`` on SparseCPU); ``max_norm``'s in-place
+    renormalization was refused with advice that did not fit it."""
+    x, y = torch.randint(0, 50, (8, 5)), torch.randint(0, 4, (8,))
+    step = piper.compile(_Bag(**embedding), directives=[piper.split(2)], codegen="eager",
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    msg = _first_call_error(step, (x, y))
+    assert says in msg, msg
