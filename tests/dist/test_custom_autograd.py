@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import piper_compile as piper
+from piper_compile.testing.eager import assert_like_eager, eager_losses, two_rank_plan
 from piper_compile.testing.launch import run_local
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.01)
@@ -91,13 +92,7 @@ def _model() -> Net:
 
 def _worker(rank: int, world: int, kind: str) -> dict[str, Any]:
     model = _model()
-    rows = slice(rank * LOCAL, (rank + 1) * LOCAL)
-    if kind == "pp2":
-        for i, b in enumerate(model.blocks):
-            piper.annotate(b, PP=i // 2)
-        directives, rows = [*piper.pipeline(2), piper.split(2), *piper.schedules.one_f_one_b(2, 2)], slice(None)
-    else:
-        directives = [piper.replicate(zero=3 if kind == "zero3" else 0), piper.split(2)]
+    directives, rows = two_rank_plan(kind, model, rank, LOCAL)
     step = piper.compile(model, directives=directives, optimizer=ADAMW)
     losses = [float(step(*(t[rows] for t in _batch(s)))) for s in range(STEPS)]
     return {"losses": losses, "params": piper.trained_parameters(step)}
@@ -106,19 +101,5 @@ def _worker(rank: int, world: int, kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["dp2", "zero3", "pp2"])
 def test_custom_autograd_functions_train_as_eager(kind: str) -> None:
     ref = _model()
-    opt, losses = ADAMW(ref.parameters()), []
-    for s in range(STEPS):
-        loss = ref(*_batch(s))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    out = run_local(_worker, 2, kind)
-    params: dict[str, torch.Tensor] = {}
-    for r in out:
-        assert r["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
-        params.update(r["params"])
-    expected = dict(ref.named_parameters())
-    assert sorted(params) == sorted(expected)
-    for k, v in params.items():
-        torch.testing.assert_close(v, expected[k].detach(), rtol=1e-5, atol=1e-6)
+    losses = eager_losses(ref, ADAMW, [_batch(s) for s in range(STEPS)])
+    assert_like_eager(run_local(_worker, 2, kind), losses, dict(ref.named_parameters()))
