@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, kind: str) -> dict[str, Any]:
     return {"losses": losses, "params": piper.trained_parameters(step)}
 
 
-@pytest.mark.parametrize("kind", ["dp2", "zero3", "pp2"])
+@pytest.mark.parametrize("kind", ["dp2", "zero3", pytest.param("pp2", marks=pytest.mark.slow)])  # 11 s cold
 def test_custom_autograd_functions_train_as_eager(kind: str) -> None:
     ref = _model()
     losses = eager_losses(ref, ADAMW, [_batch(s) for s in range(STEPS)])

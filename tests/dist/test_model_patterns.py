@@ -119,8 +119,13 @@ def _worker(rank: int, world: int, job: tuple[str, str]) -> dict[str, Any]:
     return {"losses": losses, "params": piper.trained_parameters(step), "fallbacks": piper.stats(step).fallbacks}
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("kind", ["dp2", "pp2"])
+# the conv net under DP2 stays in the fast subset (it caught the stride fault); the rest, ~10-25 s each
+# cold, run in the full suite: keeps the fast subset under 5 min
+CASES = [pytest.param(name, kind, marks=() if (name, kind) == ("conv", "dp2") else pytest.mark.slow)
+         for name in sorted(MODELS) for kind in ("dp2", "pp2")]
+
+
+@pytest.mark.parametrize("name, kind", CASES)
 def test_everyday_model_code_trains_as_eager(name: str, kind: str) -> None:
     ref = _model(name)
     losses = eager_losses(ref, OPT, [_batch(s) for s in range(STEPS)])
