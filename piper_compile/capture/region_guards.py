@@ -21,18 +21,11 @@ import inspect
 from typing import Any, Callable
 
 _PARAMETERS = ["tx", "condition", "fingerprint", "cached_entry"]
-_state: dict[str, bool] = {}
 
 
 def install() -> bool:
-    """Make Dynamo install the guards of each stamped-out region call (once per process); whether it
-    could (False: torch's reuse check is not the one known here)."""
-    if "ok" not in _state:
-        _state["ok"] = _patch()
-    return _state["ok"]
-
-
-def _patch() -> bool:
+    """Make Dynamo install the guards of each stamped-out region call (done once: the wrapper marks itself);
+    whether it does (False: torch's reuse check is not the one known here)."""
     try:
         from torch._dynamo.guards import install_guard
         from torch._dynamo.variables import invoke_subgraph as reuse

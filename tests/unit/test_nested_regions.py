@@ -189,10 +189,8 @@ def test_regions_are_off_where_dynamo_reuse_check_is_not_the_known_one(monkeypat
 
     from piper_compile.capture import region_guards
 
-    monkeypatch.setattr(region_guards, "_state", {})
     monkeypatch.setattr(invoke_subgraph, "is_reusable", lambda tx, cond, fp: True)  # another torch's check
     assert blocks.wanted([]) is False
-    monkeypatch.setattr(region_guards, "_state", {})
     monkeypatch.delattr(invoke_subgraph, "is_reusable")
     assert region_guards.install() is False
     monkeypatch.undo()
