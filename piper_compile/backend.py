@@ -52,6 +52,7 @@ from piper_compile.capture.items import LossForm, guard_empty_counts, loss_form
 from piper_compile.runtime.call_inputs import call_check
 from piper_compile.runtime.consistency import CallCheck, CallLayout, call_layout, fingerprint, local_calls, post_failure
 from piper_compile.runtime import graph as step_graph
+from piper_compile.sim.segment_memory import all_alias_maps
 from piper_compile.runtime.executor import Executor
 from piper_compile.runtime.groups import GroupRegistry, group_keys, world_info
 from piper_compile.capture.retrace import arg_order, retrace
@@ -284,6 +285,7 @@ class CompiledStep:
             self._capture()
         dag = build_dag(list(self.segments.values()), forward_only)
         dag.meta.precision = self._precision_meta()
+        dag.meta.codegen = self.options.codegen
         return dag, self.context(forward_only)
 
     def _precision_meta(self) -> PrecisionMeta | None:
@@ -371,7 +373,7 @@ class CompiledStep:
         assert self.state is not None and self.joint is not None
         return Executor(program, self.joint, self.compiled, self.state, groups, dag.meta.split or 1,
                         dag.meta.loss_group, self.options.timeout_s, forward_only,
-                        self.options.overlap_streams, self.options.codegen)
+                        self.options.overlap_streams, self.options.codegen, all_alias_maps(dag.segments.values()))
 
     def _shard_specs(self, dag: TrainingDAG) -> dict[str, tuple[ParamShard, tuple[int, ...], str, str]]:
         """Parameters split across ranks, with this rank's group: experts (``shard``) along the expert

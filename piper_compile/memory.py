@@ -138,7 +138,7 @@ class RankMemory:
 
     def contributors(self, n: int = 5) -> list[tuple[str, int]]:
         """The ``n`` largest parts of the peak: state by kind and the largest activations live at it."""
-        from piper_compile.sim.simulate import TEMP
+        from piper_compile.sim.simulate import INSIDE, TEMP
 
         f = self.figures
         parts = [("parameters", f.params), ("compute copies", f.compute_copies),
@@ -147,8 +147,7 @@ class RankMemory:
         if f.optimizer_step > f.peak_activations + f.peak_gathered_params:  # the peak is the update
             return sorted([p for p in parts[:4] if p[1] > 0] + [("optimizer step temporaries", f.optimizer_step)],
                           key=lambda p: -p[1])[:n]
-        parts += [(f"gradient {v[len(TEMP):]} while written" if v.startswith(TEMP) else f"activation {v}", b)
-                  for v, b in self.live_at_peak]
+        parts += [(_label(v, TEMP, INSIDE), b) for v, b in self.live_at_peak]
         return sorted((p for p in parts if p[1] > 0), key=lambda p: -p[1])[:n]
 
     def format(self) -> str:
@@ -158,6 +157,14 @@ class RankMemory:
 
     def __str__(self) -> str:
         return self.format()
+
+
+def _label(v: str, temp: str, inside: str) -> str:
+    if v.startswith(temp):
+        return f"gradient {v[len(temp):]} while written"
+    if v.startswith(inside):
+        return f"intermediates of {v[len(inside):]} while it runs"
+    return f"activation {v}"
 
 
 class RankMemories(Mapping[int, RankMemory]):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from piper_compile.codegen import accumulate, artifacts, cache, regional, warmup
 from piper_compile.knobs import knob
+from piper_compile.sim.segment_memory import transient_bytes
 from torch import fx
 
 Signature = tuple[Any, ...]
@@ -57,6 +58,7 @@ class CompiledSegment:
         self._unfused = gm  # the graph before fusing (codegen="eager" fuses it its own way)
         self._fused: accumulate.Fused = ()  # (output position, buffer dtype) of each fused gradient
         self.temp_bytes = 0  # the largest fused gradient: held while it is written into its buffer
+        self._transients: dict[tuple[Any, bool], int] = {}
 
     def fuse_gradients(self, fused: tuple[tuple[int, str, torch.dtype], ...]) -> None:
         """Before the segment first compiles: make it accumulate the gradients at these (output position,
@@ -71,6 +73,17 @@ class CompiledSegment:
         self.temp_bytes = accumulate.temp_bytes(self.gm, positions)
         self.gm = accumulate.fuse(self.gm, self._fused)
         self.fused = tuple(f for _, f, _ in fused)
+
+    def transient(self, symbols: dict[str, int], fused: bool) -> int:
+        """Bytes this segment holds while it runs beyond its inputs and kept outputs, at ``symbols``
+        (``fused``: its gradients written into their buffers): ``sim/segment_memory``'s rule, as the
+        memory plan counts it."""
+        key = (tuple(sorted(symbols.items())), fused)
+        if key not in self._transients:
+            dropped = tuple(i for i, _ in self._fused) if fused else ()
+            self._transients[key] = max(self.temp_bytes if fused else 0, transient_bytes(
+                self._unfused, symbols, dropped, self.mode != "eager"))
+        return self._transients[key]
 
     def _regional(self) -> regional.Cut | None:
         if self._cut is False:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from piper_compile.capture.joint import JointGraph, eval_sym
 from piper_compile.errors import PiperRuntimeError
 from piper_compile.ir.dag import Kind
-from piper_compile.ir.ops import Local, NormReduce
+from piper_compile.ir.ops import Local, NormReduce, Segment
 from piper_compile.plan.program import Instr, Program
 from piper_compile.runtime.consistency import CallCheck
 from piper_compile.runtime.groups import GroupRegistry, describe_failure, settle
@@ -28,6 +28,7 @@ from piper_compile.runtime.grads import GradBuffers
 from piper_compile.runtime.host_heap import keep_host_heap
 from piper_compile.runtime.state import TrainState
 from piper_compile.runtime.step import Pending, Step, StepStats
+from piper_compile.sim.segment_memory import root_value
 from piper_compile.runtime.trace import Recorder
 from piper_compile.runtime.zero import tensor_bytes as _nbytes
 
@@ -74,8 +75,10 @@ class Executor:
     def __init__(self, program: Program, joint: JointGraph, segments: dict[str, Callable[[list[Any]], list[Any]]],
                  state: TrainState, groups: GroupRegistry | None, microbatches: int,
                  loss_group: tuple[int, ...], timeout_s: float, forward_only: bool,
-                 overlap_streams: bool = True, codegen: str = "inductor") -> None:
+                 overlap_streams: bool = True, codegen: str = "inductor",
+                 aliases: dict[str, dict[int, tuple[str, int]]] | None = None) -> None:
         self.program = program
+        self.aliases = aliases or {}  # segment -> its outputs that are views (sim/segment_memory.alias_map)
         self.codegen = codegen  # how compute outside segments (the local experts) is compiled
         self.joint = joint
         self.segments = segments
@@ -254,8 +257,13 @@ class Executor:
                 step.released[v] = _nbytes(step.env.pop(v))  # still counted live until the instruction ends
         outs = n.op.compute(step, ins, inputs)  # type: ignore[attr-defined]
         del inputs
-        for v, t in zip(n.outputs, outs):
-            step.put(v, t)
+        seg = isinstance(n.op, Segment)
+        amap = self.aliases.get(n.op.segment, {}) if seg else {}  # type: ignore[attr-defined]
+        for k, (v, t) in enumerate(zip(n.outputs, outs)):
+            if seg:
+                step.put_output(v, t, root_value(amap, k, n.inputs, n.outputs))
+            else:
+                step.put(v, t)
         if step.transient:  # its outputs and inputs, and the largest gradient it wrote, at once
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, step.live + step.transient)
             step.transient = 0

@@ -20,6 +20,7 @@ from piper_compile.plan.program import Instr
 from piper_compile.runtime import comm
 from piper_compile.runtime.consistency import CallCheck, Weights
 from piper_compile.runtime.zero import tensor_bytes
+from piper_compile.sim.segment_memory import EXTERNAL, SharedStorage
 
 Pending = dict[str, tuple[Any, Instr, int]]  # async instruction name -> (work, instruction, position)
 
@@ -90,6 +91,8 @@ class Step:
         self.externals: dict[str, Any] = {}  # resolved once per step, not once per use
         self.pending: Pending = {}
         self.result: dict[str, torch.Tensor] = {}
+        self._views: set[str] = set()  # outputs stored as views of a parameter or input: no bytes
+        self.shared = SharedStorage()  # segment outputs by the storage they share
         self.released: dict[str, int] = {}  # values handed to a segment at their last use: bytes still counted
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight reduce-scatters whose owner let go
         self.finish: dict[str, Callable[[], None]] = {}  # what to do once a collective completes
@@ -153,6 +156,16 @@ class Step:
         else:
             self.live += tensor_bytes(t)
 
+    def put_output(self, v: str, t: Any, root: str | None) -> None:
+        """Store a segment's output ``v``; ``root``: the value it is a view of (``sim/segment_memory``):
+        its storage is counted once, until the last value sharing it is freed; a view of a parameter or
+        batch input (``EXTERNAL``) counts none."""
+        self.env[v] = t
+        if root == EXTERNAL:
+            self._views.add(v)
+        else:
+            self.live += self.shared.add(v, tensor_bytes(t), root)
+
     def count_live(self, nbytes: int) -> None:
         self.live += nbytes
 
@@ -160,6 +173,12 @@ class Step:
         """Drop value ``v``; one an in-flight SEND sends stays counted live until the send completes (the
         communication library holds the tensor until then: ``done``)."""
         b = self.released.pop(v) if v in self.released else tensor_bytes(self.env.pop(v, None))
+        if v in self._views:
+            self._views.discard(v)
+            b = 0
+        else:
+            shared = self.shared.remove(v)
+            b = b if shared is None else shared[0]
         send = self.sent_by.pop(v, None)
         if send is not None and send in self.pending:
             self._in_flight[send] = self._in_flight.get(send, 0) + b

@@ -10,6 +10,7 @@ import torch
 
 from piper_compile.ir.dag import Kind, TrainingDAG
 from piper_compile.ir.dims import dim_value
+from piper_compile.sim.segment_memory import all_alias_maps, transient_bytes
 
 
 def _hints(val: Any, out: dict[str, int], envs: set[int]) -> None:
@@ -90,6 +91,10 @@ class Sizes:
     messages: dict[str, int] = field(default_factory=dict)  # SEND/RECV msg -> bytes
     # mixed precision: bytes per parameter element as kept (master), computed with, reduced (1: as kept)
     as_factor: dict[str, float] = field(default_factory=dict)
+    aliases: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)  # segment -> alias_map
+    graphs: dict[str, Any] = field(default_factory=dict)  # segment -> its graph (for transient bytes)
+    fused_code: bool = True  # segments run as Inductor's code (else eagerly: every intermediate stored)
+    _transient: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
 
     @classmethod
     def from_dag(cls, dag: TrainingDAG | None, symbols: dict[str, int] | None = None) -> "Sizes":
@@ -103,15 +108,17 @@ class Sizes:
     @classmethod
     def _from_dag(cls, dag: TrainingDAG, symbols: dict[str, int] | None) -> "Sizes":
         syms = symbol_values(dag, symbols)
-        out = cls(syms)
+        out = cls(syms, fused_code=dag.meta.codegen != "eager")
         for seg in dag.segments.values():
             out.values.update(seg.out_meta)
+            out.graphs[seg.name] = seg.gm
             phs = [n for n in seg.gm.graph.nodes if n.op == "placeholder"]
             for value, ph in zip(seg.inputs, phs):
                 val = ph.meta.get("val")
                 if value.startswith("param:") and isinstance(val, torch.Tensor):
                     out.params_numel[value[len("param:"):]] = numel(val.shape, syms)
                     out.params[value[len("param:"):]] = numel(val.shape, syms) * _kept_itemsize(val.dtype, dag)
+        out.aliases = all_alias_maps(dag.segments.values())
         prec = dag.meta.precision
         if prec is not None:
             master = dtype_bytes(prec.master)
@@ -134,6 +141,15 @@ class Sizes:
         """Bytes of a computed value (``x@mb3``); 0 when unknown."""
         meta = self.values.get(value.rsplit("@mb", 1)[0])
         return self.tensor_bytes(*meta) if meta else 0
+
+    def transient(self, segment: str, dropped: tuple[int, ...] = ()) -> int:
+        """Bytes segment ``segment`` holds while it runs beyond its inputs and the outputs it keeps
+        (``dropped``: output positions it writes into gradient buffers)."""
+        key = (segment, dropped)
+        if key not in self._transient:
+            gm = self.graphs.get(segment)
+            self._transient[key] = 0 if gm is None else transient_bytes(gm, self.symbols, dropped, self.fused_code)
+        return self._transient[key]
 
     def params_bytes(self, fqns: Any, as_: str = "master") -> int:
         """Bytes of these parameters as kept (``master``), as computed with (``compute``: mixed precision's

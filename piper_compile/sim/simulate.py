@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ from piper_compile.codegen.accumulate import fused_values
 from piper_compile.errors import PiperPlanError
 from piper_compile.ir.dag import Kind, TrainingDAG, param_fqn
 from piper_compile.ir.ops import GradReduce, ParamGather, QueueKey
+from piper_compile.ir.ops import Segment as SegmentOp
+from piper_compile.sim.segment_memory import EXTERNAL, SharedStorage, root_value
 from piper_compile.plan.program import Instr, Program
 from piper_compile.plan.reorder import needs, still_read
 from piper_compile.plan.symmetry import Programs, member_keys
@@ -42,7 +44,8 @@ from piper_compile.sim.cost import CostModel
 from piper_compile.sim.shapes import Sizes
 from piper_compile.sim.trace import STEP_KIND, STEP_STREAM, Span, span_of
 
-TEMP = "while written:"  # a live-at-peak entry for a fused gradient held while its step runs
+TEMP = "while written:"
+INSIDE = "inside:"  # a live-at-peak entry for what a segment holds only while it runs  # a live-at-peak entry for a fused gradient held while its step runs
 
 
 
@@ -320,13 +323,13 @@ class _Sending:
 
     items: list[tuple[float, str]] = field(default_factory=list)
 
-    def retire(self, now: float, live: dict[str, int]) -> int:
-        """Drop from ``live`` what started moving before ``now`` (not at the step starting then: the
-        executor sees the send complete only after it); returns the bytes dropped."""
+    def retire(self, now: float, drop: Callable[[list[str]], None]) -> None:
+        """``drop`` what started moving before ``now`` (not at the step starting then: the executor sees
+        the send complete only after it)."""
         gone = [it for it in self.items if it[0] < now]
         for it in gone:
             self.items.remove(it)
-        return sum(live.pop(v, 0) for _, v in gone)
+        drop([v for _, v in gone])
 
 
 class _Held:
@@ -340,18 +343,29 @@ class _Held:
         self.total = [0, 0]  # live, gathered
         self.out = _MemoryWalk()
         self.at_peak: dict[str, int] = {}
+        self.storage = SharedStorage()
 
     def alloc(self, ins: Instr, pos: int, early_step: bool = False) -> None:
         """The step's outputs (the op's memory rule), then the peak sample: after each step in program
         order, and where a step ran ahead held a temporary (as the executor samples)."""
         temp = ("", 0)  # the largest gradient it writes into its buffer: held only while it runs
-        for v, b, is_param in ins.node.op.allocates(ins.node, self.sizes):
+        n = ins.node
+        amap = self.sizes.aliases.get(n.op.segment, {}) if isinstance(n.op, SegmentOp) else {}
+        for k, (v, b, is_param) in enumerate(n.op.allocates(n, self.sizes)):
             if v in self.fused:
                 temp = max(temp, (f"{TEMP}{v}", b), key=lambda t: t[1])
                 b = 0
+            elif isinstance(n.op, SegmentOp):  # a view of a live value counts none (sim/segment_memory)
+                root = root_value(amap, k, n.inputs, n.outputs)
+                b = 0 if root == EXTERNAL else self.storage.add(v, b, root)
             held = self.gathered if is_param else self.live
             self.total[is_param] += b - held.get(v, 0)
             held[v] = b
+        if isinstance(ins.node.op, SegmentOp):  # its intermediates (sim/segment_memory), fused gradients included
+            dropped = tuple(i for i, v in enumerate(ins.node.outputs) if v in self.fused)
+            inside = self.sizes.transient(ins.node.op.segment, dropped)
+            if inside > temp[1]:
+                temp = (f"{INSIDE}{ins.node.op.segment}", inside)
         if temp[1] or not early_step:
             self._sample(pos, temp)
 
@@ -362,7 +376,20 @@ class _Held:
                 self.at_peak[temp[0]] = temp[1]
 
     def drop(self, values: Any) -> None:
-        _drop(values, self.live, self.gathered, self.total)
+        """Free ``values``: gathered parameters (``param:``) or live values (a storage a view still holds
+        stays counted, under that view's name)."""
+        for v in values:
+            if v.startswith("param:"):
+                self.total[1] -= self.gathered.pop(v, 0)
+                continue
+            shared = self.storage.remove(v)
+            b = self.live.pop(v, 0)
+            if shared is None:
+                self.total[0] -= b
+                continue
+            self.total[0] -= shared[0]
+            if shared[1] is not None:
+                self.live[shared[1]] = self.live.get(shared[1], 0) + b
 
 
 def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
@@ -395,7 +422,7 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             free(ins, pos)
             continue
         start = span.start if span is not None else float("inf")
-        h.total[0] -= sending.retire(start, h.live)
+        sending.retire(start, h.drop)
         for k in [k for k in ahead if k > pos and (program.rank, k) in spans and spans[(program.rank, k)].start <= start]:
             h.alloc(program.instrs[k], pos, early_step=True)
             ahead.remove(k)
@@ -412,13 +439,6 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             out.series.append((span.host_end, h.total[0]))
     out.at_peak = sorted(h.at_peak.items(), key=lambda kv: -kv[1])
     return out
-
-
-def _drop(values: Any, live: dict[str, int], gathered: dict[str, int], total: list[int]) -> None:
-    """The memory walk frees ``values``: gathered parameters (``param:``) or live values."""
-    for v in values:
-        param = v.startswith("param:")
-        total[param] -= (gathered if param else live).pop(v, 0)
 
 
 def _shard_bytes(nbytes: int, fqns: Any, sizes: Sizes, world: int) -> int:

@@ -2,8 +2,8 @@
 figures (``piper.memory_report``: the runtime's own accounting of parameters, gradients, optimizer
 state, peak activations, gathered ZeRO-3 parameters) against the simulator's prediction for the same
 programs. One process tree per world size runs every case in turn (Dynamo reset in between), and the
-test prints the table (``pytest -s``). Checkpointing lowers the measured peak as predicted (full <
-selective < none on both ranks of the 1F1B pipeline)."""
+test prints the table (``pytest -s``). Checkpointing changes the measured peak as predicted (full <
+selective < none on the first stage of the 1F1B pipeline)."""
 from __future__ import annotations
 
 from typing import Any
@@ -100,6 +100,13 @@ def test_prediction_within_ten_percent_of_measurement_on_every_case():
     slack = lambda r: SLACK if r[2] == "peak_activations" and ("PP" in r[0] or "TP" in r[0]) else 0.0  # noqa: E731
     bad = [r for r in rows if abs(r[4] - r[3]) > 0.10 * r[3] + slack(r) + 1e-6]
     assert not bad, bad
-    for rank, cases in enumerate(results[2]):  # checkpointing: full < selective < none, measured
-        acts = [cases[c][0].peak_activations for c in ("PP2 1F1B checkpoint", "PP2 1F1B selective", "PP2 1F1B")]
-        assert acts == sorted(acts) and acts[0] < 0.6 * acts[2], (rank, acts)
+    # Checkpointing, measured: stage 0 keeps every micro-batch in flight between its F and B, and full <
+    # selective < none there. The loss stage holds one micro-batch under 1F1B and peaks inside its backward,
+    # where the recomputed logits are live beside their gradient: checkpointing raises its peak (the CPU
+    # allocator agrees, tests/dist/test_allocator_peak.py). On both, the plan predicts the order measured.
+    for rank, cases in enumerate(results[2]):
+        names = ("PP2 1F1B checkpoint", "PP2 1F1B selective", "PP2 1F1B")
+        acts, pred = ([cases[c][i].peak_activations for c in names] for i in (0, 1))
+        assert sorted(range(3), key=acts.__getitem__) == sorted(range(3), key=pred.__getitem__), (rank, acts, pred)
+        if rank == 0:
+            assert acts == sorted(acts) and acts[0] < 0.6 * acts[2], (rank, acts)

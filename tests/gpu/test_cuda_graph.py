@@ -52,10 +52,16 @@ def test_a_replay_computes_what_the_step_run_as_usual_computes(precision):
     _, want, want_params = _run(False, 6, **options)
     graph = piper.compiled_steps(step)[0].plans[False].executor.graph
     assert graph.failed is None and graph.recorded == 1 and graph.calls == 6
-    torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)  # the same kernels on the same values
+    torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
+    # Recorded on its capture stream, cuBLAS may pick other kernels than on the default stream (it promises
+    # bitwise-equal results only with one stream active): measured on an H200, 9 of 384 fp32 elements of
+    # one parameter differed by up to 3e-6 after six AdamW steps. A stale replay (learning rate, step
+    # count, compute copies) moves every element by about lr = 1e-3.
     for p, q in zip(params, want_params):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    assert len(set(losses.tolist())) == 6  # each step's loss its own (the recorded one is copied out)
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5)
+    # each replay's loss is its own (the recorded one is copied out): the reference's replayed-step losses
+    # differ from each other, and the replayed ones equal them (bf16 losses can repeat across steps)
+    assert len(set(want[2:].tolist())) > 1
 
 
 def test_a_new_learning_rate_records_the_step_again():

@@ -92,8 +92,13 @@ def test_the_memory_plan_counts_a_fused_gradient_only_while_its_segment_writes_i
     from piper_compile.sim.simulate import TEMP, _memory
 
     class Sizes:
+        aliases: dict = {}
+
         def value_bytes(self, v: str) -> int:
             return {"gx": 100, "gw": 40, "gb": 30, "r": 0}[v]
+
+        def transient(self, segment: str, dropped: tuple[int, ...] = ()) -> int:
+            return 0  # no intermediates: the segment's graph is not needed here
 
     b = Node("B.x", Segment("B.x", grads=(("gw", "w"), ("gb", "b"))), (), (0,), "compute", ("gy",), ("gx", "gw", "gb"))
     reader = Node("R", Segment("R"), (), (0,), "compute", ("gw",), ("r",))

@@ -12,6 +12,7 @@ import piper_compile as piper
 from piper_compile.errors import PiperError, PiperPlanError
 from piper_compile.ir.dag import Kind
 from piper_compile.memory import MiB, optimizer_state_factor
+from piper_compile.sim.simulate import INSIDE, TEMP
 from piper_compile.testing.models import build_model
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -44,7 +45,11 @@ def test_plan_memory_names_the_peak_step_and_its_values():
         program = next(p for p in plan.programs if p.rank == r)
         made = {v for ins in program.instrs if ins.node.kind is Kind.COMPUTE for v in ins.node.outputs}
         assert 0 <= m.peak_pos < len(program.instrs) and m.live_at_peak
-        assert m.live_at_peak[0][0] in made, (r, m.peak_step, m.live_at_peak[:3])
+        # (or the intermediates a segment holds while it runs, sim/segment_memory)
+        segs = {f"{INSIDE}{ins.node.op.segment}" for ins in program.instrs if hasattr(ins.node.op, "segment")}
+        held = {v for ins in program.instrs for v in ins.node.outputs} | segs  # received values too
+        assert all(v in held or v.startswith(TEMP) for v, _ in m.live_at_peak), (r, m.live_at_peak[:3])
+        assert any(v in made and b for v, b in m.live_at_peak), (r, m.peak_step, m.live_at_peak[:3])
         assert sum(b for _, b in m.live_at_peak) == f.peak_activations  # the values live at the peak add up
         assert "activations peak at step #" in str(m) and "largest (MiB)" in str(m)
     # GPipe keeps every micro-batch until the backward: its stage-0 activation peak is higher
@@ -55,7 +60,8 @@ def test_plan_memory_names_the_peak_step_and_its_values():
 def test_checkpointing_lowers_the_predicted_peak():
     base = _plan(_pp()).memory[0].figures.peak_activations
     ck = _plan([*_pp(), piper.checkpoint({"PP": "*"})]).memory[0].figures.peak_activations
-    assert ck < 0.5 * base
+    # the recomputed stage's intermediates are live while its backward runs (sim/segment_memory): 0.56 here
+    assert ck < 0.6 * base
 
 
 @pytest.mark.slow  # ~4 s: keeps the fast subset under 5 min

@@ -98,8 +98,10 @@ def test_training_is_bitwise_unchanged_dropout_masks_included():
 @pytest.mark.slow
 def test_hugging_face_gradient_checkpointing_lowers_measured_activations(tmp_path, monkeypatch):
     """A Llama with ``gradient_checkpointing_enable()`` (transformers' default, reentrant) trains as eager
-    and its measured peak activations drop to a third or less (the prediction agrees), also when its joint
-    graph comes from the capture cache."""
+    and its measured peak activations drop (the prediction agrees), also when its joint graph comes from
+    the capture cache. The drop is 13% on this small model, not more: the layer recomputed in the backward
+    holds its intermediates while the backward runs (sim/segment_memory; the CPU allocator's own peak
+    agrees within 100 bytes, 721,240 vs 829,784 bytes without checkpointing)."""
     from piper_compile.testing.hf import LlamaLoss, make_batch
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -134,7 +136,7 @@ def test_hugging_face_gradient_checkpointing_lowers_measured_activations(tmp_pat
     cold, warm = run(True), run(True)
     assert cold[2] == "captured" and warm[2] == "loaded"
     for measured, predicted, _ in (cold, warm):
-        assert measured < none[0] / 3, (measured, none)
+        assert measured < 0.9 * none[0], (measured, none)
         assert measured == pytest.approx(predicted, rel=0.1)
 
 
