@@ -264,9 +264,9 @@ class Executor:
                 step.put_output(v, t, root_value(amap, k, n.inputs, n.outputs))
             else:
                 step.put(v, t)
-        if step.transient:  # its outputs and inputs, and the largest gradient it wrote, at once
-            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, step.live + step.transient)
-            step.transient = 0
+        transient, step.transient = step.transient, 0
+        if transient:  # its outputs and inputs, and the intermediates it held while it ran, at once
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, step.live + transient)
         self.stats.compute += 1
         loss = getattr(n.op, "loss", None)
         if loss:
@@ -281,6 +281,7 @@ class Executor:
                 if step.env[v] is not None:  # None: the step accumulated it itself
                     self.grads.accumulate(fqn, step.env[v])
             step.note_grad_bytes()
+        step.sample(transient)  # with the gradient buffers it wrote into
 
     def _handed_over(self, ins: Instr) -> tuple[str, ...]:
         """The inputs of compute step ``ins`` read there for the last time (not also its outputs)."""
@@ -362,6 +363,7 @@ class Executor:
                 self.stats.update_s += time.perf_counter() - t0
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, step.live)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, step.gathered)
+        step.sample()
         for v in ins.frees:
             step.free(v)
         self.rec.end(pos, ins, step.pending.get(n.name))

@@ -35,6 +35,7 @@ class StepStats:
     peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
     peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
     peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
+    peak_step_bytes: int = 0  # most bytes of activations, gathered parameters and gradient buffers at once
     reordered: int = 0  # overlap partners run ahead of (or beside) a predecessor still waiting for its input
     filled: int = 0  # later steps run while an earlier one waited for its input (the reorder window)
     seconds: float = 0.0
@@ -100,6 +101,9 @@ class Step:
         self.sent_by: dict[str, str] = {}  # value -> the SEND in flight with it (freed there: counted until done)
         self._in_flight: dict[str, int] = {}  # SEND -> bytes of the freed value it still holds
         self.live = self.gathered = 0
+        self.grad_held = 0  # gradient buffers and ZeRO shards held now (``note_grad_bytes``)
+        if self.grads is not None:
+            self.grad_held = self.grads.nbytes() + (self.state.zero.grad_shard_bytes() if self.state.zero else 0)
         self.transient = 0  # bytes the compute step just run held only while it ran (fused gradients)
         self.t0 = time.perf_counter()
         self.mb = 0  # the micro-batch of the compute step reading its inputs (executor.Executor)
@@ -234,9 +238,17 @@ class Step:
         self.live -= self._in_flight.pop(name, 0)
 
     def note_grad_bytes(self, extra: torch.Tensor | None = None) -> None:
+        """Gradient buffers changed (``extra``: a full bucket a reduce-scatter still sends, held now)."""
         if self.grads is None:
             return
-        held = self.grads.nbytes() + tensor_bytes(extra)
+        self.grad_held = self.grads.nbytes()
         if self.state.zero is not None:
-            held += self.state.zero.grad_shard_bytes()
+            self.grad_held += self.state.zero.grad_shard_bytes()
+        held = self.grad_held + tensor_bytes(extra)
         self.stats.peak_grad_bytes = max(self.stats.peak_grad_bytes, held)
+        self.sample(held - self.grad_held)
+
+    def sample(self, transient: int = 0) -> None:
+        """The peak of everything the step holds together (``StepStats.peak_step_bytes``), now."""
+        total = self.live + transient + self.gathered + self.grad_held
+        self.stats.peak_step_bytes = max(self.stats.peak_step_bytes, total)

@@ -84,6 +84,8 @@ class SimResult:
     live_at_peak: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # (value, bytes), largest first
     # a quotient simulation: representative -> the ranks it stands for (empty: every rank was simulated)
     classes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # the most bytes of activations, gathered parameters and gradient buffers held at once
+    peak_step_bytes: dict[int, int] = field(default_factory=dict)
 
     @property
     def bubble(self) -> float:
@@ -313,6 +315,7 @@ class _MemoryWalk:
     peak: int = 0
     series: list[tuple[float, int]] = field(default_factory=list)
     peak_gathered: int = 0
+    peak_step: int = 0  # activations, gathered parameters and gradient buffers held at once
     peak_pos: int = -1
     at_peak: list[tuple[str, int]] = field(default_factory=list)
 
@@ -336,8 +339,9 @@ class _Held:
     """What one rank's memory walk holds: live values and gathered parameters with their bytes, the
     running totals, and the walk's peak so far (``_memory``)."""
 
-    def __init__(self, sizes: Sizes, fused: frozenset[str]) -> None:
+    def __init__(self, sizes: Sizes, fused: frozenset[str], grads_at: Sequence[int] = ()) -> None:
         self.sizes, self.fused = sizes, fused  # fused: gradients segments write into the buffers themselves
+        self.grads_at = grads_at  # gradient bytes held at each program position (_grad_series)
         self.live: dict[str, int] = {}
         self.gathered: dict[str, int] = {}
         self.total = [0, 0]  # live, gathered
@@ -370,6 +374,8 @@ class _Held:
             self._sample(pos, temp)
 
     def _sample(self, pos: int, temp: tuple[str, int]) -> None:
+        grads = self.grads_at[pos] if 0 <= pos < len(self.grads_at) else 0
+        self.out.peak_step = max(self.out.peak_step, self.total[0] + temp[1] + self.total[1] + grads)
         if self.total[0] + temp[1] > self.out.peak:
             self.out.peak, self.out.peak_pos, self.at_peak = self.total[0] + temp[1], pos, dict(self.live)
             if temp[1]:
@@ -394,7 +400,7 @@ class _Held:
 
 def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
             early: set[int] | frozenset[int] = frozenset(),
-            began: dict[tuple[int, int], float] | None = None) -> _MemoryWalk:
+            began: dict[tuple[int, int], float] | None = None, grads_at: Sequence[int] = ()) -> _MemoryWalk:
     """Walk one rank's steps in the order the executor runs them (on the host, as ``Executor._run_early``):
     a step the simulation ran ahead (``early``: an overlap partner or filler, run while an earlier step
     waited) allocates before the step it ran during and frees at once what it frees, except values a step
@@ -402,8 +408,8 @@ def _memory(program: Program, sizes: Sizes, spans: dict[tuple[int, int], Span],
     order, before its frees. A value freed at the SEND that sends it stays live until the transfer starts
     (``began``: the peer posted its receive) and through the step the host runs next (the executor counts
     it until it sees the send complete, before an instruction: ``Step.free``); the transfer itself counts
-    as instant."""
-    h, sending = _Held(sizes, fused_values(program)), _Sending()
+    as instant. ``grads_at``: gradient bytes held at each position, for the peak of everything together."""
+    h, sending = _Held(sizes, fused_values(program), grads_at), _Sending()
     out = h.out
 
     def free(ins: Instr, pos: int) -> None:
@@ -448,17 +454,20 @@ def _shard_bytes(nbytes: int, fqns: Any, sizes: Sizes, world: int) -> int:
     return -(-numel // world) * elem
 
 
-def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
-    """Most gradient bytes held at once: the persistent buffers plus each reduce-scattered (ZeRO-2/3)
-    bucket from its first gradient to its reduce-scatter, and its shard from then to the update."""
+def _grad_series(program: Program, sizes: Sizes, persistent: int) -> list[int]:
+    """Gradient bytes held at each instruction of ``program`` (the most while it runs): the persistent
+    buffers plus each reduce-scattered (ZeRO-2/3) bucket from its first gradient to its reduce-scatter,
+    and its shard from then to the update."""
     rs = {f: i.node.op.bucket for i in program.instrs if isinstance(i.node.op, GradReduce) and i.node.op.scatter
           for f in i.node.op.params}
     zero = zero_buckets(program)
     live: set[str] = set()
     shards: set[str] = set()
-    total = peak = persistent
+    total = persistent
+    series: list[int] = []
     for ins in program.instrs:
         n = ins.node
+        held = None
         if n.kind is Kind.COMPUTE:
             for _, f in n.op.grad_outputs():
                 b = rs.get(f)
@@ -469,15 +478,14 @@ def _grad_peak(program: Program, sizes: Sizes, persistent: int) -> int:
         elif isinstance(n.op, GradReduce) and n.op.scatter and n.op.bucket in live:
             fqns, w, _ = zero[n.op.bucket]
             shard = _shard_bytes(sizes.params_bytes(fqns), fqns, sizes, w)
-            total += shard  # the shard is written while the full bucket is still held
-            peak = max(peak, total)
+            held = total + shard  # the shard is written while the full bucket is still held
             live.discard(n.op.bucket)
-            total -= shard * w
+            total += shard - shard * w
             if n.op.bucket in shards:  # per micro-batch: folded into the shard already held
                 total -= shard
             shards.add(n.op.bucket)
-        peak = max(peak, total)
-    return peak
+        series.append(max(total, held or 0))
+    return series
 
 
 def zero_buckets(program: Program) -> dict[str, tuple[tuple[str, ...], int, int]]:
@@ -572,7 +580,7 @@ def _expand(res: SimResult, classes: dict[int, tuple[int, ...]]) -> SimResult:
         param_bytes=spread(res.param_bytes), grad_bytes=spread(res.grad_bytes),
         memory_timeline=spread(res.memory_timeline), peak_gathered_bytes=spread(res.peak_gathered_bytes),
         peak_grad_bytes=spread(res.peak_grad_bytes), peak_activation_pos=spread(res.peak_activation_pos),
-        live_at_peak=spread(res.live_at_peak), classes=classes)
+        live_at_peak=spread(res.live_at_peak), peak_step_bytes=spread(res.peak_step_bytes), classes=classes)
 
 
 def _simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None,
@@ -587,15 +595,16 @@ def _simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None,
     by_pos = {(s.rank, s.pos): s for s in sim.spans}
     peaks, timeline, params, grads, gathered, grad_peak, walks = {}, {}, {}, {}, {}, {}, {}
     for p in programs:
-        walks[p.rank] = w = _memory(p, sizes, by_pos, sim.early.get(p.rank, set()), sim.began)
-        peaks[p.rank], timeline[p.rank], gathered[p.rank] = w.peak, w.series, w.peak_gathered
         params[p.rank], grads[p.rank] = state_bytes(p, sizes)
-        grad_peak[p.rank] = _grad_peak(p, sizes, grads[p.rank])
+        series = _grad_series(p, sizes, grads[p.rank])
+        grad_peak[p.rank] = max(series, default=grads[p.rank])
+        walks[p.rank] = w = _memory(p, sizes, by_pos, sim.early.get(p.rank, set()), sim.began, series)
+        peaks[p.rank], timeline[p.rank], gathered[p.rank] = w.peak, w.series, w.peak_gathered
     sim.spans += [Span(r, STEP_STREAM, "step", "step", STEP_KIND, 0.0, rank_end[r]) for r in sim.ranks]
     sim.spans.sort(key=lambda s: (s.rank, s.start, s.pos))
     return SimResult(max(rank_end.values(), default=0.0), sim.ranks, sim.busy, rank_end, sim.spans, peaks, params,
                      grads, timeline, gathered, grad_peak, {r: w.peak_pos for r, w in walks.items()},
-                     {r: w.at_peak for r, w in walks.items()})
+                     {r: w.at_peak for r, w in walks.items()}, peak_step_bytes={r: w.peak_step for r, w in walks.items()})
 
 
 def simulate_plan(plan: Any, cost: CostModel | None = None) -> SimResult:

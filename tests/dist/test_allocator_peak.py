@@ -31,12 +31,13 @@ def _cases() -> dict[str, RunConfig]:
         return RunConfig(model="gpt", model_kwargs=GPT, optimizer=ADAMW, stages=2, local_batch=16,
                          codegen=codegen, directives=[*piper.pipeline(2), piper.split(4), *schedule, *extra])
 
-    def dp(zero: int, codegen: str = "eager") -> RunConfig:
-        return RunConfig(model="gpt", model_kwargs=GPT, optimizer=ADAMW, local_batch=16, codegen=codegen,
+    def dp(zero: int, codegen: str = "eager", **kw: Any) -> RunConfig:
+        return RunConfig(model="gpt", model_kwargs=GPT, optimizer=ADAMW, local_batch=16, codegen=codegen, **kw,
                          directives=[piper.replicate(zero=zero, bucket_mb=0.25), piper.split(2)])
 
     one_f = S.one_f_one_b(2, 4)
-    return {"DP2 ZeRO-1": dp(1), "DP2 ZeRO-3": dp(3), "PP2 GPipe": pp(S.gpipe(2, 4)), "PP2 1F1B": pp(one_f),
+    return {"DP2 ZeRO-1": dp(1), "DP2 ZeRO-3": dp(3), "DP2 ZeRO-3 bf16": dp(3, mixed_precision={"param_dtype": "bf16"}),
+            "PP2 GPipe": pp(S.gpipe(2, 4)), "PP2 1F1B": pp(one_f),
             "PP2 1F1B selective": pp(one_f, piper.checkpoint({"PP": "*"}, policy="selective")),
             "PP2 1F1B full": pp(one_f, piper.checkpoint({"PP": "*"})),
             "DP2 ZeRO-1 inductor": dp(1, "inductor"),
