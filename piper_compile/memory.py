@@ -143,7 +143,7 @@ class RankMemory:
 
     def contributors(self, n: int = 5) -> list[tuple[str, int]]:
         """The ``n`` largest parts of the peak: state by kind and the largest activations live at it."""
-        from piper_compile.sim.simulate import INSIDE, TEMP
+        from piper_compile.sim.memory_walk import INSIDE, TEMP
 
         f = self.figures
         parts = [("parameters", f.params), ("compute copies", f.compute_copies),

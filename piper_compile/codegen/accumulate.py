@@ -59,7 +59,7 @@ def temp_bytes(gm: fx.GraphModule, positions: tuple[int, ...]) -> int:
     Inductor's code, or an eager op) writes a fresh tensor, which is added into the buffer and dropped
     before the next gradient is made, so one such tensor is alive at a time (an upper bound where
     Inductor fuses the write into a reduction). The memory plan's rule is the same
-    (``sim/simulate._memory``)."""
+    (``sim/memory_walk.memory_walk``)."""
     outs = list(gm.graph.output_node().args[0])
     vals = [outs[i].meta.get("val") for i in positions if isinstance(outs[i], fx.Node)]
     return max((v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)), default=0)

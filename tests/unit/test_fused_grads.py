@@ -89,7 +89,7 @@ def test_the_memory_plan_counts_a_fused_gradient_only_while_its_segment_writes_i
     from piper_compile.ir.dag import Node
     from piper_compile.ir.ops import Segment
     from piper_compile.plan.program import Instr, Program
-    from piper_compile.sim.simulate import TEMP, _memory
+    from piper_compile.sim.memory_walk import TEMP, memory_walk
 
     class Sizes:
         aliases: dict = {}
@@ -104,12 +104,12 @@ def test_the_memory_plan_counts_a_fused_gradient_only_while_its_segment_writes_i
     reader = Node("R", Segment("R"), (), (0,), "compute", ("gw",), ("r",))
     fused = Program(0, [Instr(b, frees=("gx", "gw", "gb"))])
     read = Program(0, [Instr(b, frees=("gx", "gb")), Instr(reader, frees=("gw", "r"))])
-    walk = _memory(fused, Sizes(), {})
+    walk = memory_walk(fused, Sizes(), {})
     assert walk.peak == 140  # gx and the larger gradient, while it is written
     assert walk.at_peak[:2] == [("gx", 100), (f"{TEMP}gw", 40)]
-    assert _memory(read, Sizes(), {}).peak == 170  # every gradient: gw is a tensor another step reads
+    assert memory_walk(read, Sizes(), {}).peak == 170  # every gradient: gw is a tensor another step reads
     monkeypatch.setenv("PIPER_FUSED_GRADS", "0")
-    assert _memory(fused, Sizes(), {}).peak == 170
+    assert memory_walk(fused, Sizes(), {}).peak == 170
 
 
 def _train(model: torch.nn.Module, steps: int = 3) -> tuple[list[float], list[torch.Tensor], object]:

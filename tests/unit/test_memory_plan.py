@@ -12,7 +12,7 @@ import piper_compile as piper
 from piper_compile.errors import PiperError, PiperPlanError
 from piper_compile.ir.dag import Kind
 from piper_compile.memory import MiB, optimizer_state_factor
-from piper_compile.sim.simulate import INSIDE, TEMP
+from piper_compile.sim.memory_walk import INSIDE, TEMP
 from piper_compile.testing.models import build_model
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
