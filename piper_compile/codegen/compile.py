@@ -74,11 +74,11 @@ class CompiledSegment:
         self.gm = accumulate.fuse(self.gm, self._fused)
         self.fused = tuple(f for _, f, _ in fused)
 
-    def transient(self, symbols: dict[str, int], fused: bool) -> int:
+    def transient(self, symbols: dict[str, int], fused: bool, key: Any = None) -> int:
         """Bytes this segment holds while it runs beyond its inputs and kept outputs, at ``symbols``
-        (``fused``: its gradients written into their buffers): ``sim/segment_memory``'s rule, as the
-        memory plan counts it."""
-        key = (tuple(sorted(symbols.items())), fused)
+        (``key``: a hashable stand-in for them, the step's; ``fused``: its gradients written into their
+        buffers): ``sim/segment_memory``'s rule, as the memory plan counts it."""
+        key = (tuple(sorted(symbols.items())) if key is None else key, fused)
         if key not in self._transients:
             dropped = tuple(i for i, _ in self._fused) if fused else ()
             self._transients[key] = max(self.temp_bytes if fused else 0, transient_bytes(
