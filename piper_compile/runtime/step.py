@@ -32,7 +32,7 @@ class StepStats:
     collectives: dict[str, int] = field(default_factory=dict)
     p2p: int = 0
     compute: int = 0
-    peak_live_bytes: int = 0  # most bytes of activation values live at once (views counted separately)
+    peak_live_bytes: int = 0  # most bytes of activation values live at once (a shared storage once)
     peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
     peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
     peak_step_bytes: int = 0  # most bytes of activations, gathered parameters and gradient buffers at once
@@ -104,7 +104,7 @@ class Step:
         self.grad_held = 0  # gradient buffers and ZeRO shards held now (``note_grad_bytes``)
         if self.grads is not None:
             self.grad_held = self.grads.nbytes() + (self.state.zero.grad_shard_bytes() if self.state.zero else 0)
-        self.transient = 0  # bytes the compute step just run held only while it ran (fused gradients)
+        self.transient = 0  # bytes the compute step just run held only while it ran (its intermediates)
         self.t0 = time.perf_counter()
         self.mb = 0  # the micro-batch of the compute step reading its inputs (executor.Executor)
 

@@ -12,8 +12,8 @@
   code and Inductor's buffer reuse do, and returns the most bytes held at once beyond the outputs kept.
   Under Inductor a pointwise result only pointwise ops read is fused into them and never stored (on CPU
   Inductor this lands within 6.4% of the allocator's peak, where counting only what matmuls make or
-  read and reductions' results fell 8.3% short); run eagerly (``codegen="eager"``) every intermediate is. The walk counts intermediates only: inputs are
-  counted live by the caller until the step ends.
+  read and reductions' results fell 8.3% short); run eagerly (``codegen="eager"``) every intermediate
+  is. The walk counts intermediates only: inputs are counted live by the caller until the step ends.
 """
 from __future__ import annotations
 

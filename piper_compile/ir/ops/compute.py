@@ -63,7 +63,8 @@ class Segment(Local):
     def compute(self, rt: Any, ins: "Instr", inputs: list[Any]) -> list[Any]:
         seg = rt.segments[self.segment]
         fused = bool(seg.fused) and rt.grads is not None
-        rt.transient = seg.transient(rt.syms, fused, rt.key) if hasattr(seg, "transient") else 0  # intermediates, and each gradient until it is written
+        # what it holds while it runs: intermediates, and each gradient until it is written
+        rt.transient = seg.transient(rt.syms, fused, rt.key) if hasattr(seg, "transient") else 0
         if not fused:
             return seg(inputs, rt.key)
         bufs, overwrite = rt.grads.claim(seg.fused)  # the segment accumulates into them (codegen/accumulate)
