@@ -39,7 +39,7 @@ class MemoryFigures:
     peak_gathered_params: int = 0  # ZeRO-3 all-gathered parameters
     peak_grad_buckets: int = 0  # gradient buffers during the step (ZeRO-2/3 full buckets are transient)
     optimizer_step: int = 0  # temporaries the optimizer step holds (runtime/optimizer_memory.py)
-    peak_step: int = 0  # activations, gathered parameters and gradient buffers held at once (0: unknown)
+    peak_held: int = 0  # activations, gathered parameters and gradient buffers held at once
 
     @property
     def persistent(self) -> int:
@@ -48,14 +48,11 @@ class MemoryFigures:
     @property
     def peak_total(self) -> int:
         """Persistent state plus the most the step holds at once: activations, ZeRO-3 gathered parameters
-        and gradient buffers together (``peak_step``) -- or the optimizer step's temporaries beside the
-        gradients, where larger: the update runs after the backward freed the rest. Without
-        ``peak_step``, the three peaks as if they happened together (an upper bound)."""
-        state = self.params + self.compute_copies + self.optimizer
+        and gradient buffers together (``peak_held``) -- or the optimizer step's temporaries beside the
+        gradients, where larger: the update runs after the backward freed the rest."""
         grads = max(self.grads, self.peak_grad_buckets)
-        if self.peak_step:
-            return state + max(self.peak_step, grads + self.optimizer_step)
-        return state + grads + max(self.peak_activations + self.peak_gathered_params, self.optimizer_step)
+        return (self.params + self.compute_copies + self.optimizer
+                + max(self.peak_held, grads + self.optimizer_step))
 
     def line(self) -> str:
         return "  ".join(f"{f.name} {getattr(self, f.name) / MiB:.3f}" for f in fields(self))
@@ -105,7 +102,7 @@ def _measured(cs: Any) -> MemoryFigures:
     s = ex.stats
     copies = sum(t.numel() * t.element_size() for t in st.compute_copies())
     return MemoryFigures(_storage_bytes(tensors), copies, grads, _storage_bytes(opt_tensors), s.peak_live_bytes,
-                         s.peak_gathered_bytes, s.peak_grad_bytes, st.optimizer_step_bytes, s.peak_step_bytes)
+                         s.peak_gathered_bytes, s.peak_grad_bytes, st.optimizer_step_bytes, s.peak_held_bytes)
 
 
 def optimizer_state_factor(opt: Any) -> int:
@@ -222,7 +219,7 @@ def plan_memory(dag: Any, programs: Sequence[Any], optimizer: Any = None, device
         figures = MemoryFigures(res.param_bytes[rep], copy_bytes(p, sizes), res.grad_bytes[rep],
                                 factor * sum(trained), res.peak_activation_bytes[rep],
                                 res.peak_gathered_bytes.get(rep, 0), res.peak_grad_bytes.get(rep, 0),
-                                step_transient(optimizer, trained, device_type), res.peak_step_bytes.get(rep, 0))
+                                step_transient(optimizer, trained, device_type), res.peak_held_bytes.get(rep, 0))
         pos = res.peak_activation_pos.get(rep, -1)
         ins = p.instrs[pos] if 0 <= pos < len(p.instrs) else None
         reps[rep] = RankMemory(rep, figures, pos, ins, res.live_at_peak.get(rep, []))

@@ -186,8 +186,7 @@ def metrics_of(cs: Any) -> StepMetrics:
     if cs.state.device.type == "cuda":
         mem = torch.cuda.max_memory_allocated(cs.state.device)
     else:
-        # what the step held at once (memory.MemoryFigures.peak_step), else the three peaks as if together
-        mem = stats.peak_step_bytes or stats.peak_live_bytes + stats.peak_gathered_bytes + stats.peak_grad_bytes
+        mem = stats.peak_held_bytes  # what the step held at once (memory.MemoryFigures.peak_held)
     segs = [c for s in cs.state.steps for c in s.compiled.values()]
 
     def count(*outcomes: str) -> int:

@@ -77,8 +77,8 @@ class DagMeta:
     loss_group: Ranks = ()  # the ranks whose compute produces the loss
     zero: dict[Ranks, ZeroGroup] | None = None  # ZeRO groups (computed once, on first use)
     precision: PrecisionMeta | None = None  # mixed precision (None: parameters compute in their own dtype)
-    codegen: str = "inductor"  # how segments run (the memory plan counts what Inductor's code stores; not
-    # in the text form, which records the layout)
+    # how segments run (the memory plan counts what Inductor's code stores); not the layout, so not text
+    codegen: str = field(default="inductor", metadata={"text": False})
 
     def copy(self) -> "DagMeta":
         """A copy whose dicts can change without changing this one's."""
@@ -91,7 +91,7 @@ class DagMeta:
         fresh = DagMeta()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value != getattr(fresh, f.name) and f.name != "codegen":  # how it runs, not the layout
+            if value != getattr(fresh, f.name) and f.metadata.get("text", True):
                 d[f.name] = _ENCODE.get(f.name, _plain)(value)
         return "META " + json.dumps(d, separators=(",", ":"))
 

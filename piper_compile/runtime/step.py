@@ -20,7 +20,7 @@ from piper_compile.plan.program import Instr
 from piper_compile.runtime import comm
 from piper_compile.runtime.consistency import CallCheck, Weights
 from piper_compile.runtime.zero import tensor_bytes
-from piper_compile.sim.segment_memory import EXTERNAL, SharedStorage
+from piper_compile.sim.segment_memory import SharedStorage
 
 Pending = dict[str, tuple[Any, Instr, int]]  # async instruction name -> (work, instruction, position)
 
@@ -35,7 +35,7 @@ class StepStats:
     peak_live_bytes: int = 0  # most bytes of activation values live at once (a shared storage once)
     peak_gathered_bytes: int = 0  # ZeRO-3: most bytes of all-gathered parameters live at once
     peak_grad_bytes: int = 0  # most bytes of gradient buffers held at once (ZeRO-2/3 buckets are transient)
-    peak_step_bytes: int = 0  # most bytes of activations, gathered parameters and gradient buffers at once
+    peak_held_bytes: int = 0  # most bytes of activations, gathered parameters and gradient buffers at once
     reordered: int = 0  # overlap partners run ahead of (or beside) a predecessor still waiting for its input
     filled: int = 0  # later steps run while an earlier one waited for its input (the reorder window)
     seconds: float = 0.0
@@ -92,7 +92,6 @@ class Step:
         self.externals: dict[str, Any] = {}  # resolved once per step, not once per use
         self.pending: Pending = {}
         self.result: dict[str, torch.Tensor] = {}
-        self._views: set[str] = set()  # outputs stored as views of a parameter or input: no bytes
         self.shared = SharedStorage()  # segment outputs by the storage they share
         self.released: dict[str, int] = {}  # values handed to a segment at their last use: bytes still counted
         self._keep: dict[str, torch.Tensor] = {}  # inputs of in-flight reduce-scatters whose owner let go
@@ -165,10 +164,7 @@ class Step:
         its storage is counted once, until the last value sharing it is freed; a view of a parameter or
         batch input (``EXTERNAL``) counts none."""
         self.env[v] = t
-        if root == EXTERNAL:
-            self._views.add(v)
-        else:
-            self.live += self.shared.add(v, tensor_bytes(t), root)
+        self.live += self.shared.add(v, tensor_bytes(t), root)
 
     def count_live(self, nbytes: int) -> None:
         self.live += nbytes
@@ -177,12 +173,9 @@ class Step:
         """Drop value ``v``; one an in-flight SEND sends stays counted live until the send completes (the
         communication library holds the tensor until then: ``done``)."""
         b = self.released.pop(v) if v in self.released else tensor_bytes(self.env.pop(v, None))
-        if v in self._views:
-            self._views.discard(v)
-            b = 0
-        else:
-            shared = self.shared.remove(v)
-            b = b if shared is None else shared[0]
+        shared = self.shared.remove(v)
+        if shared is not None:
+            b = shared[0]
         send = self.sent_by.pop(v, None)
         if send is not None and send in self.pending:
             self._in_flight[send] = self._in_flight.get(send, 0) + b
@@ -244,11 +237,11 @@ class Step:
         self.grad_held = self.grads.nbytes()
         if self.state.zero is not None:
             self.grad_held += self.state.zero.grad_shard_bytes()
-        held = self.grad_held + tensor_bytes(extra)
-        self.stats.peak_grad_bytes = max(self.stats.peak_grad_bytes, held)
-        self.sample(held - self.grad_held)
+        sending = tensor_bytes(extra)
+        self.stats.peak_grad_bytes = max(self.stats.peak_grad_bytes, self.grad_held + sending)
+        self.sample(sending)
 
     def sample(self, transient: int = 0) -> None:
-        """The peak of everything the step holds together (``StepStats.peak_step_bytes``), now."""
+        """The peak of everything the step holds together (``StepStats.peak_held_bytes``), now."""
         total = self.live + transient + self.gathered + self.grad_held
-        self.stats.peak_step_bytes = max(self.stats.peak_step_bytes, total)
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, total)

@@ -13,7 +13,7 @@ from piper_compile.ir.ops import GradReduce, ParamGather
 from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.plan.program import Instr, Program
 from piper_compile.plan.reorder import still_read
-from piper_compile.sim.segment_memory import EXTERNAL, SharedStorage, root_value
+from piper_compile.sim.segment_memory import SharedStorage, root_value
 from piper_compile.sim.shapes import Sizes
 from piper_compile.sim.trace import Span
 
@@ -29,7 +29,7 @@ class _MemoryWalk:
     peak: int = 0
     series: list[tuple[float, int]] = field(default_factory=list)
     peak_gathered: int = 0
-    peak_step: int = 0  # activations, gathered parameters and gradient buffers held at once
+    peak_held: int = 0  # activations, gathered parameters and gradient buffers held at once
     peak_pos: int = -1
     at_peak: list[tuple[str, int]] = field(default_factory=list)
 
@@ -75,7 +75,7 @@ class _Held:
                 b = 0
             elif isinstance(n.op, SegmentOp):  # a view of a live value counts none (sim/segment_memory)
                 root = root_value(amap, k, n.inputs, n.outputs)
-                b = 0 if root == EXTERNAL else self.storage.add(v, b, root)
+                b = self.storage.add(v, b, root)
             held = self.gathered if is_param else self.live
             self.total[is_param] += b - held.get(v, 0)
             held[v] = b
@@ -89,7 +89,7 @@ class _Held:
 
     def _sample(self, pos: int, temp: tuple[str, int]) -> None:
         grads = self.grads_at[pos] if 0 <= pos < len(self.grads_at) else 0
-        self.out.peak_step = max(self.out.peak_step, self.total[0] + temp[1] + self.total[1] + grads)
+        self.out.peak_held = max(self.out.peak_held, self.total[0] + temp[1] + self.total[1] + grads)
         if self.total[0] + temp[1] > self.out.peak:
             self.out.peak, self.out.peak_pos, self.at_peak = self.total[0] + temp[1], pos, dict(self.live)
             if temp[1]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from piper_compile.ir.dag import BUFFER_PREFIX, PARAM_PREFIX
 
 
 def _alias_of(n: fx.Node, tuples: bool = True) -> fx.Node | None:
@@ -86,13 +87,14 @@ def root_value(amap: dict[int, tuple[str, int]], k: int, inputs: tuple[str, ...]
     if at[0] == "out":
         return outputs[at[1]]
     v = inputs[at[1]]
-    return EXTERNAL if v.split(":", 1)[0] in ("param", "input", "buffer") else v
+    return EXTERNAL if v.startswith((PARAM_PREFIX, BUFFER_PREFIX, "input:")) else v
 
 
 class SharedStorage:
     """Live values grouped by the storage they share (``alias_map``): a view of a live value counts no bytes
-    of its own, and the bytes stay counted until the last value of the group is freed. The memory plan's
-    walk and the runtime's accounting both keep one (``sim/simulate._Held``, ``runtime/step.Step``)."""
+    of its own, and the bytes stay counted until the last value of the group is freed; a view of a
+    parameter or batch input (root :data:`EXTERNAL`) counts none, ever. The memory plan's walk and the
+    runtime's accounting both keep one (``sim/memory_walk._Held``, ``runtime/step.Step``)."""
 
     def __init__(self) -> None:
         self.group: dict[str, str] = {}  # value -> its group (the value that first held the storage)
@@ -101,6 +103,9 @@ class SharedStorage:
 
     def add(self, v: str, nbytes: int, root: str | None) -> int:
         """Value ``v`` is stored (``root``: the value it is a view of, if any): the bytes to count now."""
+        if root == EXTERNAL:
+            self.group[v] = EXTERNAL
+            return 0
         g = self.group.get(root) if root else None
         if g is None:
             g = v
@@ -115,6 +120,8 @@ class SharedStorage:
         g = self.group.pop(v, None)
         if g is None:
             return None
+        if g == EXTERNAL:
+            return 0, None
         left = self.members[g]
         left.discard(v)
         if left:

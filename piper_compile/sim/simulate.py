@@ -81,7 +81,7 @@ class SimResult:
     # a quotient simulation: representative -> the ranks it stands for (empty: every rank was simulated)
     classes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # the most bytes of activations, gathered parameters and gradient buffers held at once
-    peak_step_bytes: dict[int, int] = field(default_factory=dict)
+    peak_held_bytes: dict[int, int] = field(default_factory=dict)
 
     @property
     def bubble(self) -> float:
@@ -389,7 +389,7 @@ def _expand(res: SimResult, classes: dict[int, tuple[int, ...]]) -> SimResult:
         param_bytes=spread(res.param_bytes), grad_bytes=spread(res.grad_bytes),
         memory_timeline=spread(res.memory_timeline), peak_gathered_bytes=spread(res.peak_gathered_bytes),
         peak_grad_bytes=spread(res.peak_grad_bytes), peak_activation_pos=spread(res.peak_activation_pos),
-        live_at_peak=spread(res.live_at_peak), peak_step_bytes=spread(res.peak_step_bytes), classes=classes)
+        live_at_peak=spread(res.live_at_peak), peak_held_bytes=spread(res.peak_held_bytes), classes=classes)
 
 
 def _simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None,
@@ -413,7 +413,7 @@ def _simulate(programs: list[Program], cost: CostModel, dag: TrainingDAG | None,
     sim.spans.sort(key=lambda s: (s.rank, s.start, s.pos))
     return SimResult(max(rank_end.values(), default=0.0), sim.ranks, sim.busy, rank_end, sim.spans, peaks, params,
                      grads, timeline, gathered, grad_peak, {r: w.peak_pos for r, w in walks.items()},
-                     {r: w.at_peak for r, w in walks.items()}, peak_step_bytes={r: w.peak_step for r, w in walks.items()})
+                     {r: w.at_peak for r, w in walks.items()}, peak_held_bytes={r: w.peak_held for r, w in walks.items()})
 
 
 def simulate_plan(plan: Any, cost: CostModel | None = None) -> SimResult:

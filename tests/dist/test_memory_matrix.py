@@ -22,7 +22,7 @@ GPT = {"layers": 4}
 TP = {"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
 ADAMW = ("AdamW", {"lr": 1e-3})
 ADAMW_FOREACH = ("AdamW", {"lr": 1e-3, "foreach": True})  # torch's CUDA default: temporaries of every tensor
-FIELDS = ("params", "grads", "optimizer", "peak_activations", "peak_gathered_params", "optimizer_step", "peak_step")
+FIELDS = ("params", "grads", "optimizer", "peak_activations", "peak_gathered_params", "optimizer_step", "peak_held")
 # One P2P activation of the pipeline cases (2 rows of 16 x 32 fp32). Whether a sent activation is still
 # held at a rank's peak depends on when its peer posts the receive: run timing, which the plan predicts
 # from its cost model. Under full checkpointing a stage's peak is a few such messages plus the largest
