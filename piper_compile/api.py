@@ -13,6 +13,7 @@ from piper_compile.callmode import forward_only, wants_forward_only
 from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
 from piper_compile.capture.dynamo import capture_settings, give_own_forward, one_graph_errors, trace
+from piper_compile.capture.forward_route import ForwardRoute
 from piper_compile.gcwindow import young_only
 from piper_compile.errors import PiperDirectiveError, PiperError, some
 from piper_compile.ir.dag import TrainingDAG
@@ -219,8 +220,10 @@ def _mark_blocks(model: nn.Module, opts: dict[str, Any]) -> bool:
     return wanted(directives) and bool(mark_repeated_blocks(model))
 
 
-def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool) -> Callable[..., Any]:
-    """``traced`` (the compiled forward), whose first call with and without gradients (Dynamo's trace,
+def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool,
+                      opts: dict[str, Any]) -> Callable[..., Any]:
+    """``traced`` (the compiled forward), or piper's own trace of it (``capture/forward_route.py``: kept on
+    disk, so that a warm run skips Dynamo's trace), whose first call with and without gradients (the trace,
     capture, planning, loading code) runs in a garbage-collector window (``gcwindow.young_only``); with
     ``marked`` blocks, a Dynamo failure on them traces the blocks one by one (``capture/blocks.py``).
     Every call runs under piper's Dynamo settings (``capture/dynamo.capture_settings``): a recompile
@@ -228,6 +231,7 @@ def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool
     one is a ``piper:`` error until the next call, ``runtime/released.py``), and the next call starts by
     taking the marks off, before Dynamo's guards read the parameters' classes."""
     done: set[bool] = set()
+    route = ForwardRoute(model, traced, opts, marked)
 
     @functools.wraps(traced)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -237,7 +241,7 @@ def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool
                 st.unmark_released()  # before Dynamo's guards read the parameters' classes
             try:
                 with capture_settings(args, kwargs), one_graph_errors(model):
-                    return flat_on_failure(model, lambda: traced(*args, **kwargs)) if marked else traced(*args, **kwargs)
+                    return route(args, kwargs)
             finally:
                 st = st or state_of_module(model)
                 if st is not None:
@@ -269,7 +273,7 @@ def compile(model: nn.Module, *, directives: Any = (), **options: Any) -> nn.Mod
     # FailOnRecompileLimitHit. A forward of its own takes this model's entries, and they go with it.
     give_own_forward(model)
     compiled = torch.compile(model, backend="piper", fullgraph=True, dynamic=True, options=opts)
-    compiled.forward = _compiled_forward(compiled.forward, model, marked)
+    compiled.forward = _compiled_forward(compiled.forward, model, marked, opts)
     linked = link(model, opts)
     linked.handle = compiled.register_forward_pre_hook(linked.record, with_kwargs=True)
     compiled._piper_link = linked  # keeps the link (and so the registry entry) alive with the compiled module

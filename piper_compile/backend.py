@@ -117,6 +117,7 @@ class CompiledStep:
         self.link = link if link is not None else link_for(options)  # piper.compile's link to the module
         self.recompile_reason: str | None = None  # set by piper_backend when Dynamo compiled the frame again
         self.reused_recompiles = 0  # Dynamo recompiles that traced this step's graph again (piper_backend)
+        self.forward_how, self.forward_seconds = "dynamo", 0.0  # the forward's trace (capture/forward_route.py)
         self._arg_order: list[int] | None = None  # mixed precision: the re-traced graph's inputs
         # Read during Dynamo's compile (the backend call): its grapharg metadata is gone afterwards.
         self.sources = sources if sources is not None else source_names(gm)

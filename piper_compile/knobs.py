@@ -110,6 +110,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "it, then load it), 'each' (they export side by side, the first done writes it), 'auto' (turns unless "
          "the machine has two cores per rank, else each; off on torch older than 2.13, where its round trip is "
          "untested), 'off'", choices=("auto", "turns", "each", "off")),
+    Knob("PIPER_FORWARD_CACHE", "choice", "auto", "piper.compile traces the model's forward with Dynamo's "
+         "whole-graph capture itself and keeps the trace (guards, bytecode, Dynamo's graph) in Inductor's cache "
+         "directory, so a warm run's first call loads it instead of tracing; every guard is checked on every call "
+         "and a call whose guards fail compiles through Dynamo as a recompile. 'auto' is on from torch 2.13, "
+         "where the Dynamo internals it uses are tested; 'off' traces through torch.compile's frame hook, "
+         "every run", choices=("auto", "on", "off")),
     Knob("PIPER_REGIONAL", "flag", True, "regional compilation: a segment holding repeated blocks (the children "
          "of one ModuleList, like a transformer's layers) is compiled block by block, so identical blocks compile "
          "once (0: each segment is compiled as one graph)"),

@@ -79,6 +79,10 @@ class StepMetrics:
     capture: str = ""  # the joint graph: "captured" (exported here), "loaded" (capture/cache.py), "off", "uncacheable"
     capture_s: float = 0.0  # seconds the joint export (or its load) took
     fast_loads: int = 0  # of cache_hits, graphs loaded straight from their recorded entry (codegen/artifacts.py)
+    # the forward's trace: "traced" (piper's whole-graph trace), "loaded" (a previous run's trace, no Dynamo trace
+    # at all: capture/forward_cache.py) or "dynamo" (torch.compile's hook traced it), and its seconds
+    forward: str = "dynamo"
+    forward_s: float = 0.0
 
     @property
     def tflops_per_s(self) -> float:
@@ -197,7 +201,7 @@ def metrics_of(cs: Any) -> StepMetrics:
                        len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
                        sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps),
                        count("hit", "loaded"), count("miss"), count("reused"), cs.joint.how, cs.joint.seconds,
-                       count("loaded"))
+                       count("loaded"), cs.forward_how, cs.forward_seconds)
 
 
 def stats(step: Any) -> StepMetrics:

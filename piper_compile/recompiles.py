@@ -2,8 +2,10 @@
 the new graph is the old one (``piper_backend`` then reuses the existing step)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import fx
@@ -23,6 +25,18 @@ def graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tu
 
 
 _GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # Dynamo frame -> grad modes it has a version for
+_FAILED: contextvars.ContextVar[str | None] = contextvars.ContextVar("piper_failed_guard", default=None)
+
+
+@contextlib.contextmanager
+def after_failed_guard(guard: str) -> Iterator[None]:
+    """A call that Dynamo's own path compiles because ``guard`` of piper's own traced forward failed
+    (``capture/forward_route.py``): for Dynamo it is a first compile, for the user a recompile."""
+    token = _FAILED.set(guard)
+    try:
+        yield
+    finally:
+        _FAILED.reset(token)
 
 
 def recompile_reason() -> str | None:
@@ -40,7 +54,7 @@ def recompile_reason() -> str | None:
     grad = torch.is_grad_enabled()
     if not reason:  # the frame's first version (since a torch._dynamo.reset())
         _GRAD_MODES[frame] = {grad}
-        return None
+        return _FAILED.get()
     seen = _GRAD_MODES.setdefault(frame, set())
     if grad not in seen:  # the first training or the first torch.no_grad version: expected
         seen.add(grad)

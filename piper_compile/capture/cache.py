@@ -139,6 +139,11 @@ def _directory() -> str:
     return os.path.join(cache_root(), "piper-capture")
 
 
+def entry_path(key: str) -> str:
+    """The file of the joint graph cached under ``key``."""
+    return os.path.join(_directory(), f"{key}.pkl")
+
+
 def _clean_meta(meta: dict[str, Any], inlined: bool = False) -> dict[str, Any]:
     """What the entry keeps of a node's metadata; ``inlined``: a region call or its ``getitem``, which
     capture replaces by the body's nodes (``capture/subgraphs.py``), so its fake value is never read (at
@@ -270,31 +275,31 @@ def _take_turns(mode: str) -> bool:
 
 
 def exported(gm: fx.GraphModule, fakes: tuple[Any, ...],
-             export: Callable[[fx.GraphModule, tuple[Any, ...]], fx.GraphModule]) -> tuple[fx.GraphModule, str]:
-    """``export(gm, fakes)``, or what an earlier export of the same key wrote: (graph, how) with how
+             export: Callable[[fx.GraphModule, tuple[Any, ...]], fx.GraphModule]) -> tuple[fx.GraphModule, str, str | None]:
+    """``export(gm, fakes)``, or what an earlier export of the same key wrote: (graph, how, key) with how
     "captured" (exported here, and written unless another rank wrote it first), "loaded", "uncacheable"
     or "off" (``PIPER_CAPTURE_CACHE``; "auto" is off on a torch older than ``TESTED_TORCH``, whose
     ``GraphPickler``, a private module, no test here has run: an entry must never load subtly different)."""
     mode = knob("PIPER_CAPTURE_CACHE")
     if mode == "off" or (mode == "auto" and torch_version() < TESTED_TORCH):
-        return export(gm, fakes), "off"
+        return export(gm, fakes), "off", None
     key = joint_key(gm, fakes)
     if key is None:
-        return export(gm, fakes), "uncacheable"
-    path = os.path.join(_directory(), f"{key}.pkl")
+        return export(gm, fakes), "uncacheable", None
+    path = entry_path(key)
     jgm = _load(path)
     if jgm is not None:
-        return jgm, "loaded"
+        return jgm, "loaded", key
     if _take_turns(mode):
         with one_at_a_time(f"capture-{key}"):
             if not os.path.exists(path):  # no rank holding the lock before wrote it: export it here
                 jgm = export(gm, fakes)
                 _store(path, jgm)
-                return jgm, "captured"
+                return jgm, "captured", key
         jgm = _load(path)
-        return (jgm, "loaded") if jgm is not None else (export(gm, fakes), "captured")
+        return (jgm, "loaded", key) if jgm is not None else (export(gm, fakes), "captured", key)
     jgm = export(gm, fakes)
     with one_at_a_time(f"capture-{key}"):  # the first rank done writes it
         if not os.path.exists(path):
             _store(path, jgm)
-    return jgm, "captured"
+    return jgm, "captured", key

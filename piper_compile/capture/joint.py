@@ -56,6 +56,7 @@ class JointGraph:
     how: str = "captured"  # "captured", "loaded" (capture/cache.py), "uncacheable" or "off"
     seconds: float = 0.0  # the joint export's (or its load's) wall time
     region_calls: int = 0  # nested compile region calls inlined (capture/subgraphs.py)
+    key: str | None = None  # the joint-graph cache's key (None: not cached)
 
     def symbol_values(self, args: Any, mb_size: int) -> dict[str, int]:
         """The size symbols' values in a call with ``args`` split into micro-batches of ``mb_size``."""
@@ -83,7 +84,7 @@ def _source_name(node: fx.Node) -> str:
     ga = node.meta.get("grapharg")
     src = getattr(ga, "source", None) or getattr(node, "_dynamo_source", None)
     if src is None:
-        return node.name
+        return node.meta.get("piper_source", node.name)  # a graph loaded from disk (capture/forward_cache.py)
     name = src.name() if callable(src.name) else src.name
     return str(name)
 
@@ -275,7 +276,7 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
     if fakes is None:
         fakes = tuple(n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder"))
     t0 = time.perf_counter()
-    jgm, how = exported(gm, tuple(fakes), _export_joint)
+    jgm, how, key = exported(gm, tuple(fakes), _export_joint)
     regions = inline_subgraphs(jgm)  # after the cache: an entry keeps the compact graph
     seconds = time.perf_counter() - t0
     final_specs, value_of = _joint_inputs(jgm, specs)
@@ -283,7 +284,7 @@ def capture_joint(gm: fx.GraphModule, example_inputs: list[Any], sources: list[s
     batch_symbols, batch_size = _batch_symbols(specs, gm)
     _mark_batched(gm, specs, final_specs, batch_symbols)
     return JointGraph(jgm, final_specs, value_of, loss, grad_of, params, buffers, batch_symbols, batch_size, gm,
-                      how, seconds, regions)
+                      how, seconds, regions, key)
 
 
 def _tracing_context(fakes: tuple[Any, ...]) -> Any:

@@ -28,7 +28,8 @@ def _dp2(rank: int, world: int) -> dict[str, Any]:
     m = piper.stats(step)
     segs = {n: c.outcomes for n, c in piper.compiled_steps(step)[0].compiled.items()}
     return {"losses": losses, "hits": m.cache_hits, "misses": m.cache_misses, "reused": m.reused, "segments": segs,
-            "fallbacks": m.fallbacks, "params": [p.detach().clone() for p in model.parameters()], "capture": m.capture}
+            "fallbacks": m.fallbacks, "params": [p.detach().clone() for p in model.parameters()], "capture": m.capture,
+            "forward": m.forward}
 
 
 def test_replicas_compile_each_segment_once_and_a_second_run_compiles_none(tmp_path, monkeypatch):
@@ -44,14 +45,17 @@ def test_replicas_compile_each_segment_once_and_a_second_run_compiles_none(tmp_p
     assert sum(r["misses"] for r in cold) == distinct, [r["segments"] for r in cold]
     # the joint graph too (capture/cache.py): one rank exports it, the other loads it
     assert sorted(r["capture"] for r in cold) == ["captured", "loaded"]
+    assert all(r["forward"] == "traced" for r in cold)
     warm = run_local(_dp2, 2)
     assert all(r["misses"] == 0 and r["hits"] == distinct for r in warm), [(r["hits"], r["misses"]) for r in warm]
     assert all(r["capture"] == "loaded" for r in warm)
-    monkeypatch.setenv("PIPER_INDUCTOR_CACHE", "0")  # every rank compiles and captures for itself
+    assert all(r["forward"] == "loaded" for r in warm)  # no Dynamo trace either (capture/forward_cache.py)
+    monkeypatch.setenv("PIPER_INDUCTOR_CACHE", "0")  # every rank compiles, captures and traces for itself
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
     alone = run_local(_dp2, 2)
     assert all(set(o for v in r["segments"].values() for o in v) == {"off", "reused"} for r in alone)
-    assert all(r["capture"] == "off" for r in alone)
+    assert all(r["capture"] == "off" and r["forward"] == "dynamo" for r in alone)
     for a, b, c in zip(cold, warm, alone):
         assert a["losses"] == b["losses"] == c["losses"]
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a["params"], b["params"], c["params"]))

@@ -1,0 +1,396 @@
+"""A warm run skips Dynamo's trace: ``piper.compile``'s traced forward kept on disk.
+
+Dynamo's trace of the step's forward is most of what a warm first step costs once the joint graph and every
+segment come from the caches (1.5-1.8 s of CPU per rank for a 32-layer GPT, against ~0.4 s to load
+it). ``capture/whole_trace.py`` traces the forward so that it can be written down; this module writes it
+after the first call and loads it at a later run's first call. An entry holds:
+
+- Dynamo's serializable guards (tensor properties, attribute values, types, grad mode, ...), which a load
+  rebuilds against the live objects and checks on every call, as Dynamo would;
+- the guards Dynamo cannot serialize (identities of modules, functions, classes and closures), each with
+  its source expression and an identity text (:func:`identity`) the live object must give at the load;
+  afterwards they are checked by identity on each call. A guard on an object with no stable identity text
+  (an arbitrary object's ``id``) makes the trace unsaved: the next run traces again;
+- a checksum of the source lines of every function Dynamo inlined (the model's code, torch's modules):
+  an edited line makes the entry stale;
+- Dynamo's graph (``GraphPickler``, metadata capture reads), its placeholders' sources (the example inputs
+  are read off the call) and the key of the joint graph the first call captured. The graph is written only
+  when its round trip keeps the joint-graph key (``capture/cache.joint_key``: every node's op, arguments,
+  tags, source line, module path and fake value), and loaded only while the joint-graph cache holds that
+  key, so a warm step captures exactly what a traced one would.
+
+The entry's name hashes what the trace does not guard (the torch, Python and piper versions and settings,
+the rank and world size, which Dynamo reads as constants, the model's class and forward, the arguments'
+kinds). Anything that does not match, load or check traces again, as a cold run does. ``PIPER_FORWARD_CACHE``
+("auto": from torch 2.13, where the Dynamo internals used are tested; "off").
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import inspect
+import logging
+import os
+import pickle
+import platform
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from piper_compile.capture import cache as joint_cache
+from piper_compile.capture.whole_trace import Dropped, Forward, Trace, evaluate, forward_of, same_object
+from piper_compile.disk import TESTED_TORCH, cache_root, torch_version, trace_settings, write_record
+from piper_compile.knobs import knob
+
+log = logging.getLogger(__name__)
+_VERSION = 1
+_GRAPH_META = ("example_value", "custom", "stack_trace", "nn_module_stack")
+
+
+def enabled() -> bool:
+    """``PIPER_FORWARD_CACHE``: 'auto' is on from ``TESTED_TORCH``."""
+    mode = knob("PIPER_FORWARD_CACHE")
+    return mode == "on" or (mode == "auto" and torch_version() >= TESTED_TORCH)
+
+
+# -- identities of the objects Dynamo guards by id ------------------------------------------------------
+def _code_digest(code: types.CodeType, h: Any) -> None:
+    h.update(repr((code.co_name, code.co_names, code.co_varnames, code.co_freevars, code.co_argcount)).encode())
+    h.update(code.co_code)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_digest(c, h)
+        else:
+            h.update(repr(c).encode())
+
+
+def _import_path(obj: Any) -> str | None:
+    """``module.name`` that gives ``obj`` back: its qualified name, or for a builtin its plain name
+    (``torch.arange`` is ``_VariableFunctionsClass.arange``)."""
+    import importlib
+
+    module = getattr(obj, "__module__", None)
+    if not isinstance(module, str):
+        return None
+    for name in dict.fromkeys([getattr(obj, "__qualname__", None), getattr(obj, "__name__", None)]):
+        if not isinstance(name, str):
+            continue
+        try:
+            found: Any = importlib.import_module(module)
+            for part in name.split("."):
+                found = getattr(found, part)
+        except Exception:  # noqa: BLE001 - not reachable by this name
+            continue
+        if found is obj:
+            return f"{module}.{name}"
+    return None
+
+
+def identity(obj: Any, depth: int = 0) -> str | None:
+    """A text that names ``obj`` the same way in another process, or None where nothing does: a module by
+    name, a class or builtin by its import path, a Python function by its import path or code and closure,
+    piper's block classes by the user's class."""
+    from piper_compile.capture.annotate import Made
+
+    if depth > 3:
+        return None
+    if isinstance(obj, types.ModuleType):
+        return f"module {obj.__name__}" if sys.modules.get(obj.__name__) is obj else None
+    if isinstance(obj, type) and issubclass(obj, Made):  # piper's per-class subclasses (regions, tags)
+        bases = [identity(b, depth + 1) for b in obj.__bases__]
+        return None if None in bases else f"piper {obj.__qualname__}({', '.join(bases)})"  # type: ignore[arg-type]
+    if isinstance(obj, types.FunctionType):
+        return _function_identity(obj, depth)
+    path = _import_path(obj)  # classes, builtins
+    return None if path is None else f"object {path}"
+
+
+def _function_identity(fn: types.FunctionType, depth: int) -> str | None:
+    h = hashlib.sha256()
+    _code_digest(fn.__code__, h)
+    h.update(repr(fn.__defaults__).encode())
+    cells = [identity(c.cell_contents, depth + 1) for c in fn.__closure__ or ()]
+    if None in cells:
+        return None
+    where = _import_path(fn) or "-"
+    return f"function {where} {h.hexdigest()[:16]} [{', '.join(cells)}]"  # type: ignore[arg-type]
+
+
+# -- the entry -------------------------------------------------------------------------------------------
+@dataclass
+class _Entry:
+    version: int
+    guards: bytes
+    dropped: list[tuple[str, str, str]]  # kind, source expression, identity
+    bytecode: Any  # torch's SerializedCode
+    backend_name: str
+    import_sources: dict[str, str]
+    sources: list[str]  # each placeholder's source: the call gives the example inputs
+    kinds: list[str]  # "param", "tensor" or "int" per example input
+    graph: bytes  # Dynamo's graph, GraphPickler
+    code_sums: list[tuple[str, int, int, str]]  # module, first and last line, checksum of the lines
+    joint_key: str
+
+
+def entry_path(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Where this model's traced forward for calls like this one lives (see the module's docstring)."""
+    from piper_compile.runtime.groups import world_info
+
+    fn = type(model).forward
+    h = hashlib.sha256(trace_settings().encode())
+    h.update(repr((_VERSION, platform.python_version(), world_info(), type(model).__module__,
+                   type(model).__qualname__, torch.is_grad_enabled())).encode())
+    if isinstance(fn, types.FunctionType):
+        _code_digest(fn.__code__, h)
+    h.update(repr([_arg_kind(a) for a in (*args, *sorted(kwargs.items()))]).encode())
+    return os.path.join(cache_root(), "piper-forward", f"{h.hexdigest()[:32]}.pkl")
+
+
+def _arg_kind(a: Any) -> Any:
+    if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str):  # a keyword argument
+        return (a[0], _arg_kind(a[1]))
+    if isinstance(a, torch.Tensor):
+        return ("tensor", a.dtype, a.dim(), a.device.type, a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, [_arg_kind(x) for x in a])
+    return (type(a).__name__, a if isinstance(a, (int, float, bool, str, type(None))) else None)
+
+
+def _unview(v: Any) -> Any:
+    """A fake value with a view's metadata but no base (a view's description holds what pickle cannot
+    write; the key reads shapes, strides, dtype, device and requires_grad, which this keeps)."""
+    if isinstance(v, torch.Tensor) and v._is_view():
+        with v.fake_mode:  # type: ignore[attr-defined]
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
+                                       requires_grad=v.requires_grad)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_unview(x) for x in v)
+    return v
+
+
+def _graph_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    out = {k: meta[k] for k in _GRAPH_META if k in meta}
+    if "example_value" in out:
+        out["example_value"] = _unview(out["example_value"])
+    if out.get("nn_module_stack"):  # classes by name, as the joint-graph cache keeps them
+        out["nn_module_stack"] = {a: (p, getattr(c, "__qualname__", str(c)))
+                                  for a, (p, c) in out["nn_module_stack"].items()}
+    return out
+
+
+def graph_bytes(gm: fx.GraphModule, sources: list[str]) -> bytes | None:
+    """Dynamo's graph with the metadata capture reads (and each placeholder's ``sources`` entry, which Dynamo
+    keeps only while it compiles), written with ``GraphPickler``; None where its round trip would not give
+    the same joint-graph key (or it cannot be keyed or written)."""
+    from torch.fx._graph_pickler import Options
+
+    from piper_compile.fxgraph import graph_module
+
+    key = joint_cache.joint_key(gm, _placeholder_values(gm))
+    if key is None:
+        return None
+    saved = {n: n.meta for g in joint_cache._graphs(gm) for n in g.graph.nodes}
+    try:
+        for n in saved:
+            n.meta = _graph_meta(n.meta)
+        for n, source in zip(gm.graph.find_nodes(op="placeholder"), sources):
+            n.meta["piper_source"] = source
+        plain = graph_module(gm, gm.graph)  # without Dynamo's attributes on the module
+        with joint_cache.pytree_registry_untouched():
+            data = joint_cache._pickler().dumps(plain, Options(ops_filter=None, node_metadata_key_filter=None))
+    except Exception as e:  # noqa: BLE001 - metadata the pickler cannot write: not saved
+        log.info("piper: the traced forward is not saved (%s: %s)", type(e).__name__, e)
+        return None
+    finally:
+        for n, meta in saved.items():
+            n.meta = meta
+    back = joint_cache._loads(data)
+    return data if joint_cache.joint_key(back, _placeholder_values(back)) == key else None
+
+
+def _placeholder_values(gm: fx.GraphModule) -> tuple[Any, ...]:
+    return tuple(n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder"))
+
+
+def _kind(x: Any) -> str | None:
+    if isinstance(x, nn.Parameter):
+        return "param"
+    if isinstance(x, torch.Tensor):
+        return "tensor"
+    return "sym" if isinstance(x, torch.SymInt) else "int" if type(x) is int else None
+
+
+def _reads_back(read: Any, given: Any) -> bool:
+    """A placeholder's source, evaluated on the call, gives the example input Dynamo handed the backend."""
+    if isinstance(given, torch.SymInt):
+        return type(read) is int and read == given.node.hint
+    return read is given or (type(given) is int and read == given)
+
+
+def _as_traced(value: Any, fake: Any) -> bool:
+    """A call's input has the sizes the saved graph was traced with (its symbols' hints)."""
+    if isinstance(fake, torch.SymInt):
+        return value == fake.node.hint
+    if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor):
+        return tuple(value.shape) == tuple(d.node.hint if isinstance(d, torch.SymInt) else d for d in fake.shape)
+    return True
+
+
+def _code_sums(codes: list[types.CodeType]) -> list[tuple[str, int, int, str]] | None:
+    """(module, first line, last line, checksum) of the source of every function Dynamo inlined."""
+    out = []
+    for code in codes:
+        module = inspect.getmodule(code)
+        if module is None:
+            return None
+        try:
+            lines, first = inspect.getsourcelines(code)
+        except (OSError, TypeError):
+            return None
+        out.append((module.__name__, first, first + len(lines), _checksum(module, first, first + len(lines))))
+    return sorted(set(out))
+
+
+def _checksum(module: types.ModuleType, first: int, last: int) -> str:
+    lines = inspect.getsourcelines(module)[0][first - 1:last - 1]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def _compiled(source: str) -> types.CodeType:
+    return compile(source, source, "eval")
+
+
+def _dropped_identities(dropped: list[Dropped], f_globals: dict[str, Any],
+                        f_locals: dict[str, Any]) -> list[tuple[str, str, str]] | None:
+    """The dropped guards with their identity texts; None where one has none, or its source does not
+    read back the object it guarded."""
+    out = []
+    for d in dropped:
+        text = identity(d.value)
+        if text is None or not same_object(d.kind, evaluate(_compiled(d.name), f_globals, f_locals), d.value):
+            return None
+        out.append((d.kind, d.name, text))
+    return out
+
+
+def entry_of(traced: Trace, forward: Forward, f_locals: dict[str, Any], graph: bytes | None,
+             joint_key: str | None) -> _Entry | None:
+    """What to write for a trace after its first call captured ``joint_key``; None where a part cannot be
+    written or read back exactly (then the next run traces again)."""
+    from torch._dynamo.package import SerializedCode
+
+    if traced.saved_guards is None or graph is None or joint_key is None:
+        return None
+    scope = forward.fn.__globals__
+    dropped = _dropped_identities(traced.dropped, scope, f_locals)
+    kinds = [_kind(x) for x in traced.example_inputs]
+    sources = list(traced.step.sources)
+    read = [evaluate(_compiled(s), scope, f_locals) for s in sources]
+    if dropped is None or None in kinds or not all(map(_reads_back, read, traced.example_inputs)):
+        return None
+    sums = _code_sums(traced.traced_code)
+    if sums is None or not _plain_globals(traced):
+        return None
+    return _Entry(_VERSION, traced.saved_guards, dropped, SerializedCode.from_code_object(traced.bytecode),
+                  traced.backend_name, traced.import_sources, sources, kinds, graph, sums,
+                  joint_key)  # type: ignore[arg-type]
+
+
+def _plain_globals(traced: Trace) -> bool:
+    """The bytecode reads no global Dynamo made up for this process (``__builtins_dict___3``: names it
+    numbers per process) besides the compiled step and the module aliases, which a load installs anew."""
+    from torch._dynamo.convert_frame import GraphCaptureOutput
+
+    made = {traced.backend_name, *traced.import_sources}
+    return all(not r.startswith("__") for r in GraphCaptureOutput._get_external_refs(traced.bytecode) - made)
+
+
+def save(path: str, entry: _Entry) -> None:
+    """Write ``entry`` whole or not at all (ranks writing the same entry at once see one whole file)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as fh:
+            pickle.dump(entry, fh, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _read(path: str) -> _Entry | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            entry = pickle.load(fh)
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: trace again and overwrite it
+        log.warning("piper: the traced forward %s did not load (%s: %s); tracing again", path, type(e).__name__, e)
+        return None
+    return entry if isinstance(entry, _Entry) and entry.version == _VERSION else None
+
+
+def _sources_unchanged(entry: _Entry) -> bool:
+    import importlib
+
+    try:
+        return all(_checksum(importlib.import_module(m), a, b) == c for m, a, b, c in entry.code_sums)
+    except Exception:  # noqa: BLE001 - a module gone or unreadable
+        return False
+
+
+def _guard_manager(entry: _Entry, code: types.CodeType, scope: dict[str, Any]) -> tuple[Any, Mapping[str, Any]]:
+    """Dynamo's serializable guards rebuilt against this process's objects (as a precompiled load does), and
+    the globals the dropped guards read: the module's, plus the builtins dict under the name the trace
+    gave it. That name is not installed in the module: Dynamo numbers such names per process, and a later
+    trace here would choose it again (the guards that read it are all identity guards, checked by piper)."""
+    import importlib
+
+    from torch._dynamo.output_graph import get_builtins_dict
+    from torch._dynamo.package import load_guard_manager, load_guards_state
+
+    for alias, module_name in entry.import_sources.items():
+        scope.setdefault(alias, importlib.import_module(module_name))
+    state = load_guards_state(entry.guards)
+    name = state.output_graph.name_of_builtins_dict_key_in_fglobals
+    extra = {name: get_builtins_dict(scope)} if name and name not in scope else {}
+    return load_guard_manager(state, code, scope), collections.ChainMap(extra, scope)
+
+
+def load(path: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+         backend: Callable[[fx.GraphModule, list[Any]], Any]) -> Forward | None:
+    """The traced forward at ``path`` for this call, with its step made by ``backend``; None where there is
+    none, or it does not apply to this model and call exactly (stale sources, a failed guard, an identity
+    that differs, the joint graph no longer cached): the caller traces."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.package import SerializedCode
+
+    entry = _read(path)
+    if entry is None or not os.path.exists(joint_cache.entry_path(entry.joint_key)) or not _sources_unchanged(entry):
+        return None
+    fn, _ = convert_frame.get_traced_fn(model)
+    scope = fn.__globals__
+    manager, guard_globals = _guard_manager(entry, fn.__code__, scope)
+    probe = Forward(fn, convert_frame._get_signature(fn), manager, None)
+    f_locals = probe.locals_of(model, args, kwargs)
+    if not manager.check(f_locals):
+        return None
+    ids = [(_compiled(name), kind, evaluate(_compiled(name), guard_globals, f_locals))
+           for kind, name, _ in entry.dropped]
+    if any(identity(obj) != text for (_, _, obj), (_, _, text) in zip(ids, entry.dropped)):
+        return None
+    inputs = [evaluate(_compiled(s), scope, f_locals) for s in entry.sources]
+    if [("sym" if k == "sym" and type(x) is int else _kind(x)) for x, k in zip(inputs, entry.kinds)] != entry.kinds:
+        return None
+    gm = joint_cache._loads(entry.graph)
+    fakes = _placeholder_values(gm)
+    if not all(map(_as_traced, inputs, fakes)):
+        return None  # another batch size: the graph's size hints (and the joint graph's) are the first call's
+    inputs = [f if k == "sym" else x for x, f, k in zip(inputs, fakes, entry.kinds)]  # as Dynamo hands sizes over
+    step = backend(gm, inputs)
+    return forward_of(model, SerializedCode.to_code_object(entry.bytecode), entry.backend_name, step,
+                      entry.import_sources, manager, ids, guard_globals)

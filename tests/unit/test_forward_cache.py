@@ -1,0 +1,218 @@
+"""piper.compile's traced forward on disk (``capture/forward_cache.py``): a warm model loads it and runs no
+Dynamo trace at all, training bitwise as the traced one; whatever the trace depended on and the call
+changed (an attribute, a global, a line of source, a replaced torch function, the batch size) traces
+again and trains as a fresh trace does; a guard failing after the load recompiles through Dynamo with
+piper's one-line message."""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import piper_compile as piper
+from piper_compile.capture import forward_cache
+from piper_compile.testing.models import GPT, GPTConfig
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    return tmp_path / "inductor" / "piper-forward"
+
+
+@pytest.fixture
+def dynamo_traces(monkeypatch):
+    """How many frames Dynamo traced (its hook's and piper's whole-graph capture both go through here)."""
+    from torch._dynamo import convert_frame
+
+    seen = []
+    original = convert_frame.compile_frame
+
+    def counted(*args, **kwargs):
+        seen.append(args[0].co_name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convert_frame, "compile_frame", counted)
+    return seen
+
+
+def _gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(dim=32, heads=2, layers=3, seq=16, vocab=64))
+
+
+def _train(model: nn.Module, batch: int = 4, steps: int = 3, edit=None):
+    """Losses of ``steps`` steps (``edit(model)`` after the first), the parameters after, the stats of the
+    first step and of the last."""
+    x, y = model.make_batch(batch, torch.Generator().manual_seed(1))
+    step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
+    losses, first = [], None
+    for i in range(steps):
+        if i == 1 and edit is not None:
+            edit(model)
+        losses.append(float(step(x, y).detach()))
+        first = first or piper.stats(step)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, first, piper.stats(step)
+
+
+def _same(a, b) -> None:
+    assert a[0] == b[0]
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+def test_a_warm_model_runs_no_dynamo_trace_and_trains_bitwise_as_the_traced_one(cache_dir, dynamo_traces):
+    cold = _train(_gpt())
+    assert cold[2].forward == "traced" and len(os.listdir(cache_dir)) == 1
+    traced = len(dynamo_traces)
+    warm = _train(_gpt())
+    assert warm[2].forward == "loaded" and len(dynamo_traces) == traced  # no frame traced for the warm model
+    _same(cold, warm)
+
+
+def test_the_traced_forward_trains_as_dynamos_own_path(cache_dir, monkeypatch):
+    ours = _train(_gpt())
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    theirs = _train(_gpt())
+    assert (ours[2].forward, theirs[2].forward) == ("traced", "dynamo")
+    _same(ours, theirs)
+    assert len(os.listdir(cache_dir)) == 1  # the off run wrote nothing
+
+
+def _with_eps(model: nn.Module) -> None:
+    model.blocks[2].ln1.eps = 0.5
+
+
+def test_an_attribute_changed_before_the_warm_call_traces_again(cache_dir, monkeypatch):
+    _train(_gpt())
+    model = _gpt()
+    _with_eps(model)
+    warm = _train(model)
+    assert warm[2].forward == "traced"
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    model = _gpt()
+    _with_eps(model)
+    _same(warm, _train(model))
+
+
+def test_an_attribute_changed_after_the_load_recompiles_with_the_guard_named(cache_dir, monkeypatch):
+    _train(_gpt())
+    with pytest.warns(UserWarning, match=r"compiles the piper step again: a guard failed: .*eps"):
+        warm = _train(_gpt(), edit=_with_eps)
+    assert warm[2].forward == "loaded"  # the first step; the second compiled through Dynamo
+    assert (warm[3].forward, warm[3].recompiles) == ("dynamo", 1)
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    _same(warm, _train(_gpt(), edit=_with_eps))
+
+
+def test_another_batch_size_traces_again(cache_dir):
+    _train(_gpt(), batch=4)
+    warm = _train(_gpt(), batch=6)
+    assert warm[2].forward == "traced"
+
+
+def test_a_replaced_torch_function_is_not_taken_for_the_traced_one(cache_dir, monkeypatch):
+    _train(_gpt())
+    gelu = torch.nn.functional.gelu
+    monkeypatch.setattr(torch.nn.functional, "gelu", lambda x, approximate="none": 2 * gelu(x, approximate=approximate))
+    warm = _train(_gpt())
+    assert warm[2].forward == "traced"
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    _same(warm, _train(_gpt()))
+
+
+_USER_MODEL = '''
+import torch
+from torch import nn
+
+SCALE = 1.0
+
+
+def act(x):
+    return torch.tanh(x) * 1.0
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return act(self.lin(x)) + x * 0.5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Layer()
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return ((self.b(self.a(x)) * SCALE - y) ** 2).mean()
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A model defined in a file of the user's, which the test edits between runs."""
+    path = tmp_path / "users_model.py"
+    path.write_text(textwrap.dedent(_USER_MODEL))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("users_model", None)
+    yield path
+    sys.modules.pop("users_model", None)
+
+
+def _train_user(module, steps: int = 3):
+    torch.manual_seed(0)
+    model = module.Net()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
+    losses = [float(step(x, y).detach()) for _ in range(steps)]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, piper.stats(step), None
+
+
+@pytest.mark.parametrize("edit", [("torch.tanh(x) * 1.0", "torch.tanh(x) * 3.0"),  # a function (guarded by identity)
+                                  ("x * 0.5", "x * 0.25")])  # a layer's forward (its class is guarded by name)
+def test_an_edited_line_the_forward_runs_traces_again(cache_dir, user_module, monkeypatch, edit):
+    module = importlib.import_module("users_model")
+    assert _train_user(module)[2].forward == "traced"
+    assert _train_user(module)[2].forward == "loaded"
+    user_module.write_text(user_module.read_text().replace(*edit))
+    module = importlib.reload(module)
+    edited = _train_user(module)
+    assert edited[2].forward == "traced"
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    _same(edited, _train_user(module))
+
+
+def test_a_changed_global_the_forward_reads_traces_again(cache_dir, user_module, monkeypatch):
+    module = importlib.import_module("users_model")
+    first = _train_user(module)
+    assert _train_user(module)[2].forward == "loaded"
+    monkeypatch.setattr(module, "SCALE", 2.0)
+    changed = _train_user(module)
+    assert changed[2].forward == "traced" and changed[0] != first[0]
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    _same(changed, _train_user(module))
+
+
+def test_identities_name_objects_the_same_way_in_another_process():
+    import math
+
+    assert forward_cache.identity(math) == "module math"
+    assert forward_cache.identity(torch.arange) == "object torch.arange"
+    assert forward_cache.identity(nn.Linear) == "object torch.nn.modules.linear.Linear"
+    assert forward_cache.identity(object()) is None  # nothing names an arbitrary object across processes
+    assert forward_cache.identity(lambda x: x).startswith("function - ")  # by its code
+    captured = object()
+    assert forward_cache.identity(lambda x: captured) is None  # a closure over an unnameable object
