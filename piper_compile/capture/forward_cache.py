@@ -20,8 +20,8 @@ after the first call and loads it at a later run's first call. An entry holds:
   key, so a warm step captures exactly what a traced one would.
 
 The entry's name hashes what the trace does not guard (the torch, Python and piper versions and settings,
-the rank and world size, which Dynamo reads as constants, the model's class and forward, the arguments'
-kinds). Anything that does not match, load or check traces again, as a cold run does. ``PIPER_FORWARD_CACHE``
+Dynamo's configuration, the rank and world size, which Dynamo reads as constants, the model's class and
+forward, the arguments' kinds). Anything that does not match, load or check traces again, as a cold run does. ``PIPER_FORWARD_CACHE``
 ("auto": from torch 2.13, where the Dynamo internals used are tested; "off").
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from torch import fx, nn
 
 from piper_compile.capture import cache as joint_cache
-from piper_compile.capture.whole_trace import Dropped, Forward, Trace, evaluate, forward_of, same_object
+from piper_compile.capture.whole_trace import Dropped, Forward, Trace, evaluate, forward_of, identity_checks
 from piper_compile.disk import TESTED_TORCH, cache_root, torch_version, trace_settings, write_record
 from piper_compile.knobs import knob
 
@@ -141,10 +141,13 @@ def entry_path(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     """Where this model's traced forward for calls like this one lives (see the module's docstring)."""
     from piper_compile.runtime.groups import world_info
 
+    import torch._dynamo.config as dynamo_config
+
     fn = type(model).forward
     h = hashlib.sha256(trace_settings().encode())
     h.update(repr((_VERSION, platform.python_version(), world_info(), type(model).__module__,
-                   type(model).__qualname__, torch.is_grad_enabled())).encode())
+                   type(model).__qualname__, torch.is_grad_enabled(),
+                   sorted(dynamo_config.save_config_portable().items()))).encode())
     if isinstance(fn, types.FunctionType):
         _code_digest(fn.__code__, h)
     h.update(repr([_arg_kind(a) for a in (*args, *sorted(kwargs.items()))]).encode())
@@ -267,15 +270,12 @@ def _compiled(source: str) -> types.CodeType:
 
 def _dropped_identities(dropped: list[Dropped], f_globals: dict[str, Any],
                         f_locals: dict[str, Any]) -> list[tuple[str, str, str]] | None:
-    """The dropped guards with their identity texts; None where one has none, or its source does not
-    read back the object it guarded."""
-    out = []
-    for d in dropped:
-        text = identity(d.value)
-        if text is None or not same_object(d.kind, evaluate(_compiled(d.name), f_globals, f_locals), d.value):
-            return None
-        out.append((d.kind, d.name, text))
-    return out
+    """The dropped guards with their identity texts; None where one is not an identity guard piper can
+    check (``whole_trace.identity_checks``) or its object has no identity text."""
+    if identity_checks(dropped, f_globals, f_locals) is None:
+        return None
+    texts = [identity(d.value) for d in dropped]
+    return None if None in texts else [(d.kind, d.name, t) for d, t in zip(dropped, texts)]  # type: ignore[misc]
 
 
 def entry_of(traced: Trace, forward: Forward, f_locals: dict[str, Any], graph: bytes | None,

@@ -105,7 +105,7 @@ class ForwardRoute:
         run = functools.partial(whole_trace.trace, self.model, args, kwargs, self._backend)
         traced = flat_on_failure(self.model, run) if self.marked else run()
         forward = whole_trace.forward_of(self.model, traced.bytecode, traced.backend_name, traced.step,
-                                         traced.import_sources, traced.live_guards)
+                                         traced.import_sources, traced.manager, traced.identities)
         if traced.saved_guards is not None:
             graph = forward_cache.graph_bytes(traced.gm, list(traced.step.sources))
             self._unsaved = (traced, graph, forward_cache.entry_path(self.model, args, kwargs))

@@ -32,6 +32,11 @@ from torch import fx, nn
 # Guard kinds Dynamo cannot serialize: identities of objects in this process.
 UNSAVED_KINDS = frozenset({"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
                            "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"})
+# Those of them (and of the kinds that derive from them) whose check is "the very object": piper checks
+# them itself (``CLOSURE_MATCH``: a function of the very code). Others (a dict's version, a live weakref)
+# leave the trace to Dynamo's own full guard set, unsaved.
+IDENTITY_KINDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
+                            "NN_MODULE", "BUILTIN_MATCH"})
 _NAMES = itertools.count()
 
 
@@ -55,7 +60,8 @@ class Trace:
     bytecode: types.CodeType
     backend_name: str
     import_sources: dict[str, str]
-    live_guards: Any
+    manager: Any  # the guards this process checks: Dynamo's serializable set, or all of them
+    identities: list[tuple[types.CodeType, str, Any]]  # the rest, where the manager is the serializable set
     saved_guards: bytes | None
     dropped: list[Dropped]
     traced_code: list[types.CodeType]
@@ -115,10 +121,38 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         if torch_function_mode_stack_state_mgr.stack:
             restore.enter_context(torch_function_mode_stack_state_mgr.temp_restore_stack())
         with restore:
-            live = out.build_guards(fn.__code__, hooks=Hooks(), save=False).guard_manager
-            saved = _saved_guards(out, fn.__code__, dropped)
+            saved, manager = _saved_guards(out, fn.__code__, dropped)
+            f_locals = _locals(fn, model, args, kwargs)
+            identities = identity_checks(dropped, fn.__globals__, f_locals) if manager is not None else None
+            if identities is None:  # guards piper cannot check itself: Dynamo's whole set, built again
+                manager, identities = out.build_guards(fn.__code__, hooks=Hooks(), save=False).guard_manager, []
     return Trace(step, given.graph_module, list(given.example_inputs), out.bytecode, given.backend_id,
-                 dict(out.import_sources), live, saved, dropped, list(out.traced_code))
+                 dict(out.import_sources), manager, identities, saved, dropped, list(out.traced_code))
+
+
+def identity_checks(dropped: list[Dropped], f_globals: Mapping[str, Any],
+                    f_locals: dict[str, Any]) -> list[tuple[types.CodeType, str, Any]] | None:
+    """Each dropped guard as (its compiled source, its kind, the object it must be), where every one is an
+    identity guard whose source reads its object back on this call; None otherwise."""
+    out = []
+    for d in dropped:
+        code = compile(d.name, d.name, "eval")
+        if d.kind not in IDENTITY_KINDS or not same_object(d.kind, evaluate(code, f_globals, f_locals), d.value):
+            return None
+        out.append((code, d.kind, d.value))
+    return out
+
+
+def _locals(fn: types.FunctionType, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The frame locals of ``fn(model, *args, **kwargs)`` (its closure's cells included), as guards read them."""
+    from torch._dynamo import convert_frame
+
+    bound = convert_frame._get_signature(fn).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    f_locals = dict(bound.arguments)
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        f_locals[name] = cell.cell_contents
+    return f_locals
 
 
 def _capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -135,8 +169,9 @@ def _capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         raise InternalTorchDynamoError(f"{type(e).__qualname__}: {e}").with_traceback(e.__traceback__) from None
 
 
-def _saved_guards(out: Any, code: types.CodeType, dropped: list[Dropped]) -> bytes | None:
-    """The serializable guards (the others go to ``dropped``); None where Dynamo cannot write them."""
+def _saved_guards(out: Any, code: types.CodeType, dropped: list[Dropped]) -> tuple[bytes | None, Any]:
+    """The serializable guards, written and as a guard manager (the others go to ``dropped``); (None, None)
+    where Dynamo cannot write them."""
     from torch._dynamo.hooks import Hooks
 
     def keep(entries: Any) -> list[bool]:
@@ -146,8 +181,8 @@ def _saved_guards(out: Any, code: types.CodeType, dropped: list[Dropped]) -> byt
     try:
         check = out.build_guards(code, hooks=Hooks(guard_filter_fn=keep), save=True, strict_error=True)
     except Exception:  # noqa: BLE001 - a guard Dynamo cannot write: the trace is kept in this process only
-        return None
-    return check.guards_state
+        return None, None
+    return check.guards_state, check.guard_manager
 
 
 def _renamed(code: types.CodeType, old: str, new: str) -> types.CodeType:
@@ -172,12 +207,7 @@ class Forward:
     guard_globals: Mapping[str, Any] = field(default_factory=dict)  # ``G`` of the identity guards
 
     def locals_of(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        bound = self.signature.bind(model, *args, **kwargs)
-        bound.apply_defaults()
-        f_locals = dict(bound.arguments)
-        for name, cell in zip(self.fn.__code__.co_freevars, self.fn.__closure__ or ()):
-            f_locals[name] = cell.cell_contents
-        return f_locals
+        return _locals(self.fn, model, args, kwargs)
 
     def holds(self, f_locals: dict[str, Any]) -> bool:
         """Whether every guard holds on a call's locals (then the call runs this forward)."""
