@@ -16,7 +16,9 @@ during it (compilation is CPU work; on 2 shared cores ranks compiling at once sl
 Each piper variant compiles repeated blocks once (regional compilation, ``codegen/regional.py``); with
 ``--whole`` it also runs with ``PIPER_REGIONAL=0`` (each segment one graph). ``piper.compile`` traces
 repeated blocks once (nested compile regions, ``capture/blocks.py``); ``--flat`` also runs each piper
-variant with ``PIPER_NESTED_REGIONS=off`` (every block traced and exported). ``step ms`` is the mean of
+variant with ``PIPER_NESTED_REGIONS=off`` (every block traced and exported). ``piper.compile`` keeps its
+trace of the forward on disk, so a warm run runs no Dynamo trace (``capture/forward_cache.py``); ``--dynamo``
+also runs each piper variant with ``PIPER_FORWARD_CACHE=off`` (Dynamo traces every run). ``step ms`` is the mean of
 the next 5 steps of the warm run (the slowest rank): what regional compilation costs at run time.
 ``cold RSS MiB`` is the largest peak RSS of a rank process in the cold run (Inductor's compile workers are
 processes of their own): run once with ``PIPER_PRECOMPILE=0`` to see what precompiling costs in memory.
@@ -49,10 +51,11 @@ from piper_compile.testing.models import GPT, GPTConfig  # noqa: E402
 VARIANTS = ("torch.compile", "DDP2", "piper DP2", "piper PP2 1F1B", "piper PP2xDP2 Z3", "piper DualPipeV")
 WHOLE = " (whole)"  # the same piper variant with PIPER_REGIONAL=0: every segment compiled as one graph
 FLAT = " (flat)"  # the same piper variant with PIPER_NESTED_REGIONS=off: every block traced and exported
+DYNAMO = " (dynamo)"  # the same piper variant with PIPER_FORWARD_CACHE=off: Dynamo traces the forward every run
 
 
 def _base_variant(variant: str) -> str:
-    return variant.replace(WHOLE, "").replace(FLAT, "")
+    return variant.replace(WHOLE, "").replace(FLAT, "").replace(DYNAMO, "")
 STEADY = 5  # steps timed after the first (the steady step time, from the warm run)
 WORLD = {"torch.compile": 1, "DDP2": 2, "piper DP2": 2, "piper PP2 1F1B": 2, "piper PP2xDP2 Z3": 4,
          "piper DualPipeV": 2}
@@ -123,6 +126,7 @@ def _run(variant: str, job: dict[str, Any], cache: str) -> tuple[float, float, f
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # run_local hands the environment to the ranks
     os.environ["PIPER_REGIONAL"] = "0" if WHOLE in variant else "1"
     os.environ["PIPER_NESTED_REGIONS"] = "off" if FLAT in variant else "auto"
+    os.environ["PIPER_FORWARD_CACHE"] = "off" if DYNAMO in variant else "auto"
     try:
         res = run_local(_worker, WORLD[_base_variant(variant)], {**job, "variant": variant},
                         timeout_s=job["timeout"])
@@ -144,8 +148,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--whole", action="store_true", help="also run each piper variant without regional compilation")
     p.add_argument("--flat", action="store_true", help="also run each piper variant without nested compile regions")
+    p.add_argument("--dynamo", action="store_true", help="also run each piper variant with Dynamo tracing every run")
     a = p.parse_args()
-    for flag, suffix in ((a.whole, WHOLE), (a.flat, FLAT)):
+    for flag, suffix in ((a.whole, WHOLE), (a.flat, FLAT), (a.dynamo, DYNAMO)):
         if flag:
             a.variants = [v for var in a.variants for v in ([var, var + suffix] if var.startswith("piper") else [var])]
     print(f"bench_compile: GPT dim={a.dim} heads={a.heads} seq={a.seq} vocab={a.vocab}, batch {a.batch}/rank, AdamW; "

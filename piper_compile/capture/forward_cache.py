@@ -27,6 +27,7 @@ forward, the arguments' kinds). Anything that does not match, load or check trac
 from __future__ import annotations
 
 import collections
+import enum
 import hashlib
 import inspect
 import logging
@@ -93,12 +94,18 @@ def _import_path(obj: Any) -> str | None:
 
 def identity(obj: Any, depth: int = 0) -> str | None:
     """A text that names ``obj`` the same way in another process, or None where nothing does: a module by
-    name, a class or builtin by its import path, a Python function by its import path or code and closure,
-    piper's block classes by the user's class."""
+    name, a class or builtin by its import path, an enum member by its class and name, a Python function by
+    its import path or code and closure, a constant (in a closure) by its value, piper's block classes by
+    the user's class."""
     from piper_compile.capture.annotate import Made
 
     if depth > 3:
         return None
+    if type(obj) in (int, float, bool, str, bytes, type(None)):  # a closure's constant: its value
+        return f"constant {type(obj).__name__} {obj!r}"
+    if isinstance(obj, enum.Enum):
+        path = _import_path(type(obj))
+        return None if path is None or type(obj)[obj.name] is not obj else f"enum {path}.{obj.name}"
     if isinstance(obj, types.ModuleType):
         return f"module {obj.__name__}" if sys.modules.get(obj.__name__) is obj else None
     if isinstance(obj, type) and issubclass(obj, Made):  # piper's per-class subclasses (regions, tags)

@@ -5,6 +5,7 @@ again and trains as a fresh trace does; a guard failing after the load recompile
 piper's one-line message."""
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import os
@@ -216,3 +217,23 @@ def test_identities_name_objects_the_same_way_in_another_process():
     assert forward_cache.identity(lambda x: x).startswith("function - ")  # by its code
     captured = object()
     assert forward_cache.identity(lambda x: captured) is None  # a closure over an unnameable object
+
+    def scaled(s):
+        return lambda x: x * s
+
+    assert forward_cache.identity(scaled(2.0)) == forward_cache.identity(scaled(2.0)) != forward_cache.identity(scaled(3.0))
+    assert forward_cache.identity(Color.RED) == f"enum {Color.__module__}.Color.RED"
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def test_another_structure_of_the_same_class_traces_again(cache_dir, monkeypatch):
+    _train(_gpt())
+    torch.manual_seed(0)
+    deeper = _train(GPT(GPTConfig(dim=32, heads=2, layers=4, seq=16, vocab=64)))
+    assert deeper[2].forward == "traced"
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    torch.manual_seed(0)
+    _same(deeper, _train(GPT(GPTConfig(dim=32, heads=2, layers=4, seq=16, vocab=64))))
