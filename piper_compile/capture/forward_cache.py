@@ -44,7 +44,8 @@ import torch
 from torch import fx, nn
 
 from piper_compile.capture import cache as joint_cache
-from piper_compile.capture.whole_trace import Dropped, Forward, Trace, evaluate, forward_of, identity_checks
+from piper_compile.capture.whole_trace import (Dropped, Forward, Trace, evaluate, forward_of, identity_checks,
+                                                snapshot)
 from piper_compile.disk import TESTED_TORCH, cache_root, torch_version, trace_settings, write_record
 from piper_compile.knobs import knob
 
@@ -60,6 +61,21 @@ def enabled() -> bool:
 
 
 # -- identities of the objects Dynamo guards by id ------------------------------------------------------
+def _stable(v: Any) -> str:
+    """``repr`` that is the same in every process: sets and dicts in sorted order (a set of strings iterates
+    in an order of the process's hash seed), objects whose ``repr`` is their address by their name."""
+    if isinstance(v, (set, frozenset)):
+        return f"{type(v).__name__}({sorted(_stable(x) for x in v)})"
+    if isinstance(v, dict):
+        return "{" + ", ".join(sorted(f"{_stable(k)}: {_stable(x)}" for k, x in v.items())) + "}"
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__}({', '.join(_stable(x) for x in v)})"
+    text = repr(v)
+    if " at 0x" in text:  # an object named by its address (a function in a config set): by its name instead
+        return f"<{type(v).__qualname__} {getattr(v, '__module__', '')}.{getattr(v, '__qualname__', '')}>"
+    return text
+
+
 def _code_digest(code: types.CodeType, h: Any) -> None:
     h.update(repr((code.co_name, code.co_names, code.co_varnames, code.co_freevars, code.co_argcount)).encode())
     h.update(code.co_code)
@@ -67,7 +83,7 @@ def _code_digest(code: types.CodeType, h: Any) -> None:
         if isinstance(c, types.CodeType):
             _code_digest(c, h)
         else:
-            h.update(repr(c).encode())
+            h.update(_stable(c).encode())
 
 
 def _import_path(obj: Any) -> str | None:
@@ -106,21 +122,51 @@ def identity(obj: Any, depth: int = 0) -> str | None:
     if isinstance(obj, enum.Enum):
         path = _import_path(type(obj))
         return None if path is None or type(obj)[obj.name] is not obj else f"enum {path}.{obj.name}"
+    if isinstance(obj, tuple):  # a dict's keys (``DICT_KEYS_MATCH``)
+        parts = [identity(x, depth + 1) for x in obj]
+        return None if None in parts else f"tuple ({', '.join(parts)})"  # type: ignore[arg-type]
+    if isinstance(obj, torch._ops._OpNamespace):  # torch.ops.piper (a module subclass)
+        return f"ops {obj.name}"
     if isinstance(obj, types.ModuleType):
         return f"module {obj.__name__}" if sys.modules.get(obj.__name__) is obj else None
+    if isinstance(obj, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):  # torch.ops.piper.moe_experts
+        return f"op {obj}"
     if isinstance(obj, type) and issubclass(obj, Made):  # piper's per-class subclasses (regions, tags)
         bases = [identity(b, depth + 1) for b in obj.__bases__]
         return None if None in bases else f"piper {obj.__qualname__}({', '.join(bases)})"  # type: ignore[arg-type]
     if isinstance(obj, types.FunctionType):
         return _function_identity(obj, depth)
+    if isinstance(obj, types.CodeType):
+        h = hashlib.sha256()
+        _code_digest(obj, h)
+        return f"code {obj.co_qualname} {h.hexdigest()[:16]}"
     path = _import_path(obj)  # classes, builtins
-    return None if path is None else f"object {path}"
+    if path is None:
+        return None
+    return f"class {path} {_class_digest(obj)}" if isinstance(obj, type) else f"object {path}"
+
+
+def _class_digest(cls: type) -> str:
+    """The code of the functions a class defines and, for a dataclass, its fields: a class guarded by its
+    name is the same class only while these are (a dataclass's generated ``__init__``, which Dynamo traces,
+    has no source lines to compare)."""
+    import dataclasses
+
+    h = hashlib.sha256()
+    for name, v in sorted(vars(cls).items()):
+        fn = getattr(v, "__func__", v)  # staticmethod / classmethod
+        if isinstance(fn, types.FunctionType):
+            h.update(name.encode())
+            _code_digest(fn.__code__, h)
+    if dataclasses.is_dataclass(cls):
+        h.update(_stable([(f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)]).encode())
+    return h.hexdigest()[:16]
 
 
 def _function_identity(fn: types.FunctionType, depth: int) -> str | None:
     h = hashlib.sha256()
     _code_digest(fn.__code__, h)
-    h.update(repr(fn.__defaults__).encode())
+    h.update(_stable(fn.__defaults__).encode())
     cells = [identity(c.cell_contents, depth + 1) for c in fn.__closure__ or ()]
     if None in cells:
         return None
@@ -154,7 +200,7 @@ def entry_path(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     h = hashlib.sha256(trace_settings().encode())
     h.update(repr((_VERSION, platform.python_version(), world_info(), type(model).__module__,
                    type(model).__qualname__, torch.is_grad_enabled(),
-                   sorted(dynamo_config.save_config_portable().items()))).encode())
+                   _stable(dynamo_config.save_config_portable()))).encode())
     if isinstance(fn, types.FunctionType):
         _code_digest(fn.__code__, h)
     h.update(repr([_arg_kind(a) for a in (*args, *sorted(kwargs.items()))]).encode())
@@ -251,11 +297,17 @@ def _as_traced(value: Any, fake: Any) -> bool:
     return True
 
 
-def _code_sums(codes: list[types.CodeType]) -> list[tuple[str, int, int, str]] | None:
-    """(module, first line, last line, checksum) of the source of every function Dynamo inlined."""
+def _code_sums(codes: list[types.CodeType], classes: list[Any]) -> list[tuple[str, int, int, str]] | None:
+    """(module, first line, last line, checksum) of the source of every function Dynamo inlined; a function
+    without source lines (a dataclass's generated ``__init__``) must be one of ``classes``' (guarded by
+    identity, which includes the code of their functions: :func:`_class_digest`)."""
+    owned = {getattr(getattr(f, "__func__", f), "__code__", None) for c in classes if isinstance(c, type)
+             for f in vars(c).values()}
     out = []
     for code in codes:
         module = inspect.getmodule(code)
+        if module is None and code in owned:
+            continue
         if module is None:
             return None
         try:
@@ -300,7 +352,7 @@ def entry_of(traced: Trace, forward: Forward, f_locals: dict[str, Any], graph: b
     read = [evaluate(_compiled(s), scope, f_locals) for s in sources]
     if dropped is None or None in kinds or not all(map(_reads_back, read, traced.example_inputs)):
         return None
-    sums = _code_sums(traced.traced_code)
+    sums = _code_sums(traced.traced_code, [d.value for d in traced.dropped])
     if sums is None or not _plain_globals(traced):
         return None
     return _Entry(_VERSION, traced.saved_guards, dropped, SerializedCode.from_code_object(traced.bytecode),
@@ -360,9 +412,12 @@ def _guard_manager(entry: _Entry, code: types.CodeType, scope: dict[str, Any]) -
     from torch._dynamo.output_graph import get_builtins_dict
     from torch._dynamo.package import load_guard_manager, load_guards_state
 
+    from torch._guards import TracingContext, tracing
+
     for alias, module_name in entry.import_sources.items():
         scope.setdefault(alias, importlib.import_module(module_name))
-    state = load_guards_state(entry.guards)
+    with tracing(TracingContext(None)):  # a source of an import installs a guard as it is made: into this one
+        state = load_guards_state(entry.guards)
     name = state.output_graph.name_of_builtins_dict_key_in_fglobals
     extra = {name: get_builtins_dict(scope)} if name and name not in scope else {}
     return load_guard_manager(state, code, scope), collections.ChainMap(extra, scope)
@@ -372,32 +427,47 @@ def load(path: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
          backend: Callable[[fx.GraphModule, list[Any]], Any]) -> Forward | None:
     """The traced forward at ``path`` for this call, with its step made by ``backend``; None where there is
     none, or it does not apply to this model and call exactly (stale sources, a failed guard, an identity
-    that differs, the joint graph no longer cached): the caller traces."""
+    that differs, other sizes, the joint graph no longer cached; logged at INFO): the caller traces."""
     from torch._dynamo import convert_frame
     from torch._dynamo.package import SerializedCode
 
     entry = _read(path)
-    if entry is None or not os.path.exists(joint_cache.entry_path(entry.joint_key)) or not _sources_unchanged(entry):
+    if entry is None:
         return None
     fn, _ = convert_frame.get_traced_fn(model)
-    scope = fn.__globals__
-    manager, guard_globals = _guard_manager(entry, fn.__code__, scope)
-    probe = Forward(fn, convert_frame._get_signature(fn), manager, None)
-    f_locals = probe.locals_of(model, args, kwargs)
-    if not manager.check(f_locals):
+    found = _applies(entry, model, fn, args, kwargs)
+    if isinstance(found, str):
+        log.info("piper: the traced forward %s is not used: %s", path, found)
         return None
-    ids = [(_compiled(name), kind, evaluate(_compiled(name), guard_globals, f_locals))
-           for kind, name, _ in entry.dropped]
-    if any(identity(obj) != text for (_, _, obj), (_, _, text) in zip(ids, entry.dropped)):
-        return None
-    inputs = [evaluate(_compiled(s), scope, f_locals) for s in entry.sources]
-    if [("sym" if k == "sym" and type(x) is int else _kind(x)) for x, k in zip(inputs, entry.kinds)] != entry.kinds:
-        return None
-    gm = joint_cache._loads(entry.graph)
-    fakes = _placeholder_values(gm)
-    if not all(map(_as_traced, inputs, fakes)):
-        return None  # another batch size: the graph's size hints (and the joint graph's) are the first call's
-    inputs = [f if k == "sym" else x for x, f, k in zip(inputs, fakes, entry.kinds)]  # as Dynamo hands sizes over
+    manager, guard_globals, ids, inputs, gm = found
     step = backend(gm, inputs)
     return forward_of(model, SerializedCode.to_code_object(entry.bytecode), entry.backend_name, step,
                       entry.import_sources, manager, ids, guard_globals)
+
+
+def _applies(entry: _Entry, model: nn.Module, fn: types.FunctionType, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[Any, Mapping[str, Any], list[Any], list[Any], fx.GraphModule] | str:
+    """What a forward is made of, where ``entry`` applies to this call exactly; else why not."""
+    if not os.path.exists(joint_cache.entry_path(entry.joint_key)):
+        return "its joint graph is no longer cached"
+    if not _sources_unchanged(entry):
+        return "a line of source it traced changed"
+    scope = fn.__globals__
+    manager, guard_globals = _guard_manager(entry, fn.__code__, scope)
+    f_locals = Forward(fn, inspect.signature(fn, follow_wrapped=False), manager, None).locals_of(model, args, kwargs)
+    if not manager.check(f_locals):
+        return f"a guard fails: {manager.check_verbose(f_locals).verbose_code_parts[:1]}"
+    ids = [(_compiled(name), kind, snapshot(kind, evaluate(_compiled(name), guard_globals, f_locals)))
+           for kind, name, _ in entry.dropped]
+    for (_, _, obj), (_, name, text) in zip(ids, entry.dropped):
+        if identity(obj) != text:
+            return f"{name} is another object ({identity(obj)}, traced: {text})"
+    inputs = [evaluate(_compiled(src), scope, f_locals) for src in entry.sources]
+    if [("sym" if k == "sym" and type(x) is int else _kind(x)) for x, k in zip(inputs, entry.kinds)] != entry.kinds:
+        return "an input is of another kind"
+    gm = joint_cache._loads(entry.graph)
+    fakes = _placeholder_values(gm)
+    if not all(map(_as_traced, inputs, fakes)):
+        return "other sizes than the trace's (its size hints, and the joint graph's, are the first call's)"
+    inputs = [f if k == "sym" else x for x, f, k in zip(inputs, fakes, entry.kinds)]  # as Dynamo hands sizes over
+    return manager, guard_globals, ids, inputs, gm

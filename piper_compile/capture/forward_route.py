@@ -98,7 +98,7 @@ class ForwardRoute:
                 return forward_cache.load(path, self.model, args, kwargs, self._backend)
         except Exception as e:  # noqa: BLE001 - an entry that does not load here: trace as a cold run does
             log.warning("piper: the traced forward %s was not used (%s: %s); tracing again", path,
-                        type(e).__name__, e)
+                        type(e).__name__, e, exc_info=True)
             return None
 
     def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> whole_trace.Forward:

@@ -33,10 +33,12 @@ from torch import fx, nn
 UNSAVED_KINDS = frozenset({"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
                            "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"})
 # Those of them (and of the kinds that derive from them) whose check is "the very object": piper checks
-# them itself (``CLOSURE_MATCH``: a function of the very code). Others (a dict's version, a live weakref)
-# leave the trace to Dynamo's own full guard set, unsaved.
+# them itself (``CLOSURE_MATCH``: a function of the very code; ``DICT_KEYS_MATCH``: a dict with the very
+# keys, as pytree's node registry; ``CONSTANT_MATCH`` is dropped only where it compares by ``id``, as for a
+# method's code object). Others (a dict's version, a live weakref) leave the trace to Dynamo's
+# own full guard set, unsaved.
 IDENTITY_KINDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
-                            "NN_MODULE", "BUILTIN_MATCH"})
+                            "NN_MODULE", "BUILTIN_MATCH", "DICT_KEYS_MATCH", "CONSTANT_MATCH"})
 _NAMES = itertools.count()
 
 
@@ -175,7 +177,7 @@ def _saved_guards(out: Any, code: types.CodeType, dropped: list[Dropped]) -> tup
     from torch._dynamo.hooks import Hooks
 
     def keep(entries: Any) -> list[bool]:
-        dropped[:] = [Dropped(e.guard_type, e.name, e.value) for e in entries if _unsaved(e)]
+        dropped[:] = [Dropped(e.guard_type, e.name, snapshot(e.guard_type, e.value)) for e in entries if _unsaved(e)]
         return [not _unsaved(e) for e in entries]
 
     try:
@@ -242,10 +244,19 @@ def evaluate(code: types.CodeType, f_globals: Mapping[str, Any], f_locals: dict[
 _GONE = object()
 
 
+def snapshot(kind: str, value: Any) -> Any:
+    """What an identity guard holds of its object: the object, or for ``DICT_KEYS_MATCH`` its keys now."""
+    return tuple(value) if kind == "DICT_KEYS_MATCH" and isinstance(value, dict) else value
+
+
 def same_object(kind: str, now: Any, then: Any) -> bool:
-    """Dynamo's identity guards: the object itself, or for ``CLOSURE_MATCH`` a function of the same code."""
+    """Dynamo's identity guards: the object itself, for ``CLOSURE_MATCH`` a function of the same code, for
+    ``DICT_KEYS_MATCH`` a dict of the very keys (``then``: their ``snapshot``), in order."""
     if kind == "CLOSURE_MATCH":
         return getattr(now, "__code__", _GONE) is getattr(then, "__code__", None)
+    if kind == "DICT_KEYS_MATCH":
+        return isinstance(now, dict) and isinstance(then, tuple) and len(now) == len(then) and \
+            all(a is b for a, b in zip(now, then))
     return now is then
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import piper_compile as piper
 from piper_compile.capture import forward_cache
-from piper_compile.testing.models import GPT, GPTConfig
+from piper_compile.testing.models import GPT, GPTConfig, build_model
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -70,11 +70,39 @@ def _same(a, b) -> None:
         assert torch.equal(a[1][k], b[1][k]), k
 
 
-def test_a_warm_model_runs_no_dynamo_trace_and_trains_bitwise_as_the_traced_one(cache_dir, dynamo_traces):
-    cold = _train(_gpt())
+class Encoder(nn.Module):
+    """torch's own transformer layers: their trace guards pytree's node registry (by its keys) and torch by
+    an import."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.enc(self.emb(x))).flatten(0, 1), y.flatten())
+
+    def make_batch(self, batch: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, 64, (batch, 8), generator=g)
+        return x, x.roll(1, dims=1)
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "moegpt":  # piper's expert op: guarded as torch.ops.piper.moe_experts
+        return build_model("moegpt", 0, dim=32, heads=2, layers=2, seq=16, vocab=64)
+    return Encoder() if kind == "encoder" else _gpt()
+
+
+@pytest.mark.parametrize("kind", ["gpt", pytest.param("moegpt", marks=pytest.mark.slow),  # 20 s each: full suite
+                                  pytest.param("encoder", marks=pytest.mark.slow)])
+def test_a_warm_model_runs_no_dynamo_trace_and_trains_bitwise_as_the_traced_one(cache_dir, dynamo_traces, kind):
+    cold = _train(_model(kind))
     assert cold[2].forward == "traced" and len(os.listdir(cache_dir)) == 1
     traced = len(dynamo_traces)
-    warm = _train(_gpt())
+    warm = _train(_model(kind))
     assert warm[2].forward == "loaded" and len(dynamo_traces) == traced  # no frame traced for the warm model
     _same(cold, warm)
 
@@ -212,7 +240,7 @@ def test_identities_name_objects_the_same_way_in_another_process():
 
     assert forward_cache.identity(math) == "module math"
     assert forward_cache.identity(torch.arange) == "object torch.arange"
-    assert forward_cache.identity(nn.Linear) == "object torch.nn.modules.linear.Linear"
+    assert forward_cache.identity(nn.Linear).startswith("class torch.nn.modules.linear.Linear ")  # and its code
     assert forward_cache.identity(object()) is None  # nothing names an arbitrary object across processes
     assert forward_cache.identity(lambda x: x).startswith("function - ")  # by its code
     captured = object()
@@ -223,6 +251,13 @@ def test_identities_name_objects_the_same_way_in_another_process():
 
     assert forward_cache.identity(scaled(2.0)) == forward_cache.identity(scaled(2.0)) != forward_cache.identity(scaled(3.0))
     assert forward_cache.identity(Color.RED) == f"enum {Color.__module__}.Color.RED"
+    before = forward_cache.identity(Color)
+    Color.describe = lambda self: "red"  # a method more: another class for code traced with the first
+    try:
+        assert forward_cache.identity(Color) != before
+    finally:
+        del Color.describe
+    assert forward_cache.identity(Color) == before
 
 
 class Color(enum.Enum):
