@@ -26,6 +26,7 @@ forward, the arguments' kinds). Anything that does not match, load or check trac
 """
 from __future__ import annotations
 
+import builtins
 import collections
 import enum
 import hashlib
@@ -34,6 +35,7 @@ import logging
 import os
 import pickle
 import platform
+import re
 import sys
 import types
 from collections.abc import Mapping
@@ -360,13 +362,20 @@ def entry_of(traced: Trace, forward: Forward, f_locals: dict[str, Any], graph: b
                   joint_key)  # type: ignore[arg-type]
 
 
+_MADE_UP = re.compile(r"^(__|_\d)")  # __builtins_dict___3, _140613083367520_c0: Dynamo's per-process names
+
+
 def _plain_globals(traced: Trace) -> bool:
-    """The bytecode reads no global Dynamo made up for this process (``__builtins_dict___3``: names it
-    numbers per process) besides the compiled step and the module aliases, which a load installs anew."""
+    """The bytecode reads no global Dynamo made up for this process (named by a counter or an object's id)
+    besides the compiled step and the module aliases, which a load installs anew."""
+    made = {traced.backend_name, *traced.import_sources}
+    return not any(_MADE_UP.match(r) for r in _globals_read(traced.bytecode) - made)
+
+
+def _globals_read(code: types.CodeType) -> set[str]:
     from torch._dynamo.convert_frame import GraphCaptureOutput
 
-    made = {traced.backend_name, *traced.import_sources}
-    return all(not r.startswith("__") for r in GraphCaptureOutput._get_external_refs(traced.bytecode) - made)
+    return set(GraphCaptureOutput._get_external_refs(code))
 
 
 def save(path: str, entry: _Entry) -> None:
@@ -440,9 +449,13 @@ def load(path: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         log.info("piper: the traced forward %s is not used: %s", path, found)
         return None
     manager, guard_globals, ids, inputs, gm = found
+    bytecode = SerializedCode.to_code_object(entry.bytecode)
+    missing = _globals_read(bytecode) - {entry.backend_name, *entry.import_sources} - set(fn.__globals__) - set(vars(builtins))
+    if missing:
+        log.info("piper: the traced forward %s is not used: it reads globals this process lacks (%s)", path, sorted(missing))
+        return None
     step = backend(gm, inputs)
-    return forward_of(model, SerializedCode.to_code_object(entry.bytecode), entry.backend_name, step,
-                      entry.import_sources, manager, ids, guard_globals)
+    return forward_of(model, bytecode, entry.backend_name, step, entry.import_sources, manager, ids, guard_globals)
 
 
 def _applies(entry: _Entry, model: nn.Module, fn: types.FunctionType, args: tuple[Any, ...],
