@@ -8,9 +8,10 @@ after the first call and loads it at a later run's first call. An entry holds:
 - Dynamo's serializable guards (tensor properties, attribute values, types, grad mode, ...), which a load
   rebuilds against the live objects and checks on every call, as Dynamo would;
 - the guards Dynamo cannot serialize (identities of modules, functions, classes and closures), each with
-  its source expression and an identity text (:func:`identity`) the live object must give at the load;
-  afterwards they are checked by identity on each call. A guard on an object with no stable identity text
-  (an arbitrary object's ``id``) makes the trace unsaved: the next run traces again;
+  its source expression and an identity text (``capture/identity.py``) the live object must give at the
+  load; afterwards they are checked by identity on each call. A guard on an object with no stable identity
+  text (an arbitrary object's ``id``) makes the trace unsaved: the next run traces again. A global Dynamo
+  named by an object's id is installed anew under another name of the same length;
 - a checksum of the source lines of every function Dynamo inlined (the model's code, torch's modules):
   an edited line makes the entry stale;
 - Dynamo's graph (``GraphPickler``, metadata capture reads), its placeholders' sources (the example inputs
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import builtins
 import collections
-import enum
 import hashlib
 import inspect
 import logging
@@ -36,8 +36,9 @@ import os
 import pickle
 import platform
 import re
-import sys
 import types
+import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -46,9 +47,10 @@ import torch
 from torch import fx, nn
 
 from piper_compile.capture import cache as joint_cache
+from piper_compile.capture.identity import code_digest, identity, resolve, stable
 from piper_compile.capture.whole_trace import (Dropped, Forward, Trace, evaluate, forward_of, identity_checks,
                                                 snapshot)
-from piper_compile.disk import TESTED_TORCH, cache_root, torch_version, trace_settings, write_record
+from piper_compile.disk import TESTED_TORCH, cache_root, torch_version, trace_settings
 from piper_compile.knobs import knob
 
 log = logging.getLogger(__name__)
@@ -60,120 +62,6 @@ def enabled() -> bool:
     """``PIPER_FORWARD_CACHE``: 'auto' is on from ``TESTED_TORCH``."""
     mode = knob("PIPER_FORWARD_CACHE")
     return mode == "on" or (mode == "auto" and torch_version() >= TESTED_TORCH)
-
-
-# -- identities of the objects Dynamo guards by id ------------------------------------------------------
-def _stable(v: Any) -> str:
-    """``repr`` that is the same in every process: sets and dicts in sorted order (a set of strings iterates
-    in an order of the process's hash seed), objects whose ``repr`` is their address by their name."""
-    if isinstance(v, (set, frozenset)):
-        return f"{type(v).__name__}({sorted(_stable(x) for x in v)})"
-    if isinstance(v, dict):
-        return "{" + ", ".join(sorted(f"{_stable(k)}: {_stable(x)}" for k, x in v.items())) + "}"
-    if isinstance(v, (list, tuple)):
-        return f"{type(v).__name__}({', '.join(_stable(x) for x in v)})"
-    text = repr(v)
-    if " at 0x" in text:  # an object named by its address (a function in a config set): by its name instead
-        return f"<{type(v).__qualname__} {getattr(v, '__module__', '')}.{getattr(v, '__qualname__', '')}>"
-    return text
-
-
-def _code_digest(code: types.CodeType, h: Any) -> None:
-    h.update(repr((code.co_name, code.co_names, code.co_varnames, code.co_freevars, code.co_argcount)).encode())
-    h.update(code.co_code)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            _code_digest(c, h)
-        else:
-            h.update(_stable(c).encode())
-
-
-def _import_path(obj: Any) -> str | None:
-    """``module.name`` that gives ``obj`` back: its qualified name, or for a builtin its plain name
-    (``torch.arange`` is ``_VariableFunctionsClass.arange``)."""
-    import importlib
-
-    module = getattr(obj, "__module__", None)
-    if not isinstance(module, str):
-        return None
-    for name in dict.fromkeys([getattr(obj, "__qualname__", None), getattr(obj, "__name__", None)]):
-        if not isinstance(name, str):
-            continue
-        try:
-            found: Any = importlib.import_module(module)
-            for part in name.split("."):
-                found = getattr(found, part)
-        except Exception:  # noqa: BLE001 - not reachable by this name
-            continue
-        if found is obj:
-            return f"{module}.{name}"
-    return None
-
-
-def identity(obj: Any, depth: int = 0) -> str | None:
-    """A text that names ``obj`` the same way in another process, or None where nothing does: a module by
-    name, a class or builtin by its import path, an enum member by its class and name, a Python function by
-    its import path or code and closure, a constant (in a closure) by its value, piper's block classes by
-    the user's class."""
-    from piper_compile.capture.annotate import Made
-
-    if depth > 3:
-        return None
-    if type(obj) in (int, float, bool, str, bytes, type(None)):  # a closure's constant: its value
-        return f"constant {type(obj).__name__} {obj!r}"
-    if isinstance(obj, enum.Enum):
-        path = _import_path(type(obj))
-        return None if path is None or type(obj)[obj.name] is not obj else f"enum {path}.{obj.name}"
-    if isinstance(obj, tuple):  # a dict's keys (``DICT_KEYS_MATCH``)
-        parts = [identity(x, depth + 1) for x in obj]
-        return None if None in parts else f"tuple ({', '.join(parts)})"  # type: ignore[arg-type]
-    if isinstance(obj, torch._ops._OpNamespace):  # torch.ops.piper (a module subclass)
-        return f"ops {obj.name}"
-    if isinstance(obj, types.ModuleType):
-        return f"module {obj.__name__}" if sys.modules.get(obj.__name__) is obj else None
-    if isinstance(obj, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):  # torch.ops.piper.moe_experts
-        return f"op {obj}"
-    if isinstance(obj, type) and issubclass(obj, Made):  # piper's per-class subclasses (regions, tags)
-        bases = [identity(b, depth + 1) for b in obj.__bases__]
-        return None if None in bases else f"piper {obj.__qualname__}({', '.join(bases)})"  # type: ignore[arg-type]
-    if isinstance(obj, types.FunctionType):
-        return _function_identity(obj, depth)
-    if isinstance(obj, types.CodeType):
-        h = hashlib.sha256()
-        _code_digest(obj, h)
-        return f"code {obj.co_qualname} {h.hexdigest()[:16]}"
-    path = _import_path(obj)  # classes, builtins
-    if path is None:
-        return None
-    return f"class {path} {_class_digest(obj)}" if isinstance(obj, type) else f"object {path}"
-
-
-def _class_digest(cls: type) -> str:
-    """The code of the functions a class defines and, for a dataclass, its fields: a class guarded by its
-    name is the same class only while these are (a dataclass's generated ``__init__``, which Dynamo traces,
-    has no source lines to compare)."""
-    import dataclasses
-
-    h = hashlib.sha256()
-    for name, v in sorted(vars(cls).items()):
-        fn = getattr(v, "__func__", v)  # staticmethod / classmethod
-        if isinstance(fn, types.FunctionType):
-            h.update(name.encode())
-            _code_digest(fn.__code__, h)
-    if dataclasses.is_dataclass(cls):
-        h.update(_stable([(f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)]).encode())
-    return h.hexdigest()[:16]
-
-
-def _function_identity(fn: types.FunctionType, depth: int) -> str | None:
-    h = hashlib.sha256()
-    _code_digest(fn.__code__, h)
-    h.update(_stable(fn.__defaults__).encode())
-    cells = [identity(c.cell_contents, depth + 1) for c in fn.__closure__ or ()]
-    if None in cells:
-        return None
-    where = _import_path(fn) or "-"
-    return f"function {where} {h.hexdigest()[:16]} [{', '.join(cells)}]"  # type: ignore[arg-type]
 
 
 # -- the entry -------------------------------------------------------------------------------------------
@@ -190,6 +78,7 @@ class _Entry:
     graph: bytes  # Dynamo's graph, GraphPickler
     code_sums: list[tuple[str, int, int, str]]  # module, first and last line, checksum of the lines
     joint_key: str
+    by_id: dict[str, str]  # globals Dynamo named by an object's id (``_<id>_c0``) -> the object's identity
 
 
 def entry_path(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -202,9 +91,9 @@ def entry_path(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     h = hashlib.sha256(trace_settings().encode())
     h.update(repr((_VERSION, platform.python_version(), world_info(), type(model).__module__,
                    type(model).__qualname__, torch.is_grad_enabled(),
-                   _stable(dynamo_config.save_config_portable()))).encode())
+                   stable(dynamo_config.save_config_portable()))).encode())
     if isinstance(fn, types.FunctionType):
-        _code_digest(fn.__code__, h)
+        code_digest(fn.__code__, h)
     h.update(repr([_arg_kind(a) for a in (*args, *sorted(kwargs.items()))]).encode())
     return os.path.join(cache_root(), "piper-forward", f"{h.hexdigest()[:32]}.pkl")
 
@@ -355,11 +244,25 @@ def entry_of(traced: Trace, forward: Forward, f_locals: dict[str, Any], graph: b
     if dropped is None or None in kinds or not all(map(_reads_back, read, traced.example_inputs)):
         return None
     sums = _code_sums(traced.traced_code, [d.value for d in traced.dropped])
-    if sums is None or not _plain_globals(traced):
+    by_id = _named_by_id(traced, scope)
+    if sums is None or by_id is None or not _plain_globals(traced):
         return None
     return _Entry(_VERSION, traced.saved_guards, dropped, SerializedCode.from_code_object(traced.bytecode),
                   traced.backend_name, traced.import_sources, sources, kinds, graph, sums,
-                  joint_key)  # type: ignore[arg-type]
+                  joint_key, by_id)  # type: ignore[arg-type]
+
+
+_BY_ID = re.compile(rb"_\d{6,}_c\d+")  # the name of a global Dynamo installed by an object's id
+
+
+def _named_by_id(traced: Trace, scope: dict[str, Any]) -> dict[str, str] | None:
+    """The globals named by an object's id that the guards read (``type(x)`` reads ``torch`` so), each with its
+    object's identity; None where one has none. A load installs each object under a new name of the same
+    length and renames it in the written guards (a per-process id means nothing in the next run)."""
+    names = {m.decode() for m in _BY_ID.findall(traced.saved_guards or b"")}
+    names |= {m.decode() for d in traced.dropped for m in _BY_ID.findall(d.name.encode())}
+    texts = {n: identity(scope[n]) if n in scope else None for n in names}
+    return None if None in texts.values() else texts  # type: ignore[return-value]
 
 
 _MADE_UP = re.compile(r"^(__|_\d)")  # __builtins_dict___3, _140613083367520_c0: Dynamo's per-process names
@@ -411,6 +314,23 @@ def _sources_unchanged(entry: _Entry) -> bool:
         return False
 
 
+def _install_by_id(entry: _Entry, scope: dict[str, Any]) -> list[str] | None:
+    """Each global the trace named by an object's id, under a name of this process (as long: the name is
+    replaced inside the written guards) holding the object its identity names; the names, or None where an
+    object is not here."""
+    objects = {old: resolve(text) for old, text in entry.by_id.items()}
+    if any(obj is None for obj in objects.values()):
+        return None
+    names = []
+    for old, obj in objects.items():
+        new = ("_P" + uuid.uuid4().hex * 2)[:len(old)]  # Dynamo never makes a name of this form
+        scope[new] = obj
+        names.append(new)
+        entry.guards = entry.guards.replace(old.encode(), new.encode())
+        entry.dropped = [(k, n.replace(old, new), t) for k, n, t in entry.dropped]
+    return names
+
+
 def _guard_manager(entry: _Entry, code: types.CodeType, scope: dict[str, Any]) -> tuple[Any, Mapping[str, Any]]:
     """Dynamo's serializable guards rebuilt against this process's objects (as a precompiled load does), and
     the globals the dropped guards read: the module's, plus the builtins dict under the name the trace
@@ -444,22 +364,39 @@ def load(path: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     if entry is None:
         return None
     fn, _ = convert_frame.get_traced_fn(model)
-    found = _applies(entry, model, fn, args, kwargs)
+    scope = fn.__globals__
+    installed = _install_by_id(entry, scope)
+    found = _applies(entry, model, fn, args, kwargs) if installed is not None else \
+        "an object that a global named by its id held is not in this process"
+    bytecode = SerializedCode.to_code_object(entry.bytecode)
+    missing = _globals_read(bytecode) - {entry.backend_name, *entry.import_sources} - set(scope) - set(vars(builtins))
+    if not isinstance(found, str) and missing:
+        found = f"it reads globals this process lacks ({sorted(missing)})"
     if isinstance(found, str):
         log.info("piper: the traced forward %s is not used: %s", path, found)
+        for name in installed or ():
+            scope.pop(name, None)
         return None
-    manager, guard_globals, ids, inputs, gm = found
-    bytecode = SerializedCode.to_code_object(entry.bytecode)
-    missing = _globals_read(bytecode) - {entry.backend_name, *entry.import_sources} - set(fn.__globals__) - set(vars(builtins))
-    if missing:
-        log.info("piper: the traced forward %s is not used: it reads globals this process lacks (%s)", path, sorted(missing))
-        return None
-    step = backend(gm, inputs)
-    return forward_of(model, bytecode, entry.backend_name, step, entry.import_sources, manager, ids, guard_globals)
+    forward = forward_of(model, bytecode, entry.backend_name, backend(found.gm, found.inputs), entry.import_sources,
+                         found.manager, found.ids, found.guard_globals)
+    for name in installed or ():
+        weakref.finalize(forward.fn, scope.pop, name, None)
+    return forward
+
+
+@dataclass
+class _Found:
+    """What a loaded forward is made of."""
+
+    manager: Any
+    guard_globals: Mapping[str, Any]
+    ids: list[tuple[types.CodeType, str, Any]]
+    inputs: list[Any]
+    gm: fx.GraphModule
 
 
 def _applies(entry: _Entry, model: nn.Module, fn: types.FunctionType, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> tuple[Any, Mapping[str, Any], list[Any], list[Any], fx.GraphModule] | str:
+             kwargs: dict[str, Any]) -> _Found | str:
     """What a forward is made of, where ``entry`` applies to this call exactly; else why not."""
     if not os.path.exists(joint_cache.entry_path(entry.joint_key)):
         return "its joint graph is no longer cached"
@@ -483,4 +420,4 @@ def _applies(entry: _Entry, model: nn.Module, fn: types.FunctionType, args: tupl
     if not all(map(_as_traced, inputs, fakes)):
         return "other sizes than the trace's (its size hints, and the joint graph's, are the first call's)"
     inputs = [f if k == "sym" else x for x, f, k in zip(inputs, fakes, entry.kinds)]  # as Dynamo hands sizes over
-    return manager, guard_globals, ids, inputs, gm
+    return _Found(manager, guard_globals, ids, inputs, gm)

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import torch
 from torch import fx, nn
 
 # Guard kinds Dynamo cannot serialize: identities of objects in this process.

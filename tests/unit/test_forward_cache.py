@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import piper_compile as piper
-from piper_compile.capture import forward_cache
+from piper_compile.capture.identity import identity
 from piper_compile.testing.models import GPT, GPTConfig, build_model
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -238,26 +238,26 @@ def test_a_changed_global_the_forward_reads_traces_again(cache_dir, user_module,
 def test_identities_name_objects_the_same_way_in_another_process():
     import math
 
-    assert forward_cache.identity(math) == "module math"
-    assert forward_cache.identity(torch.arange) == "object torch.arange"
-    assert forward_cache.identity(nn.Linear).startswith("class torch.nn.modules.linear.Linear ")  # and its code
-    assert forward_cache.identity(object()) is None  # nothing names an arbitrary object across processes
-    assert forward_cache.identity(lambda x: x).startswith("function - ")  # by its code
+    assert identity(math) == "module math"
+    assert identity(torch.arange) == "object torch.arange"
+    assert identity(nn.Linear).startswith("class torch.nn.modules.linear.Linear ")  # and its code
+    assert identity(object()) is None  # nothing names an arbitrary object across processes
+    assert identity(lambda x: x).startswith("function - ")  # by its code
     captured = object()
-    assert forward_cache.identity(lambda x: captured) is None  # a closure over an unnameable object
+    assert identity(lambda x: captured) is None  # a closure over an unnameable object
 
     def scaled(s):
         return lambda x: x * s
 
-    assert forward_cache.identity(scaled(2.0)) == forward_cache.identity(scaled(2.0)) != forward_cache.identity(scaled(3.0))
-    assert forward_cache.identity(Color.RED) == f"enum {Color.__module__}.Color.RED"
-    before = forward_cache.identity(Color)
+    assert identity(scaled(2.0)) == identity(scaled(2.0)) != identity(scaled(3.0))
+    assert identity(Color.RED) == f"enum {Color.__module__}.Color.RED"
+    before = identity(Color)
     Color.describe = lambda self: "red"  # a method more: another class for code traced with the first
     try:
-        assert forward_cache.identity(Color) != before
+        assert identity(Color) != before
     finally:
         del Color.describe
-    assert forward_cache.identity(Color) == before
+    assert identity(Color) == before
 
 
 class Color(enum.Enum):
@@ -272,3 +272,22 @@ def test_another_structure_of_the_same_class_traces_again(cache_dir, monkeypatch
     monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
     torch.manual_seed(0)
     _same(deeper, _train(GPT(GPTConfig(dim=32, heads=2, layers=4, seq=16, vocab=64))))
+
+
+@pytest.mark.slow  # 30 s: two transformers traces
+def test_a_transformers_encoder_loads_its_trace(cache_dir, monkeypatch):
+    """BERT's trace reads ``type(x)`` through a global Dynamo names by the id of ``torch`` (``_<id>_c0``): the
+    load installs torch under a name of its own and renames it in the guards."""
+    from piper_compile.testing.hf import HFLoss
+
+    def run():
+        model = HFLoss("bert", seed=0, num_hidden_layers=2)
+        batch = model.make_batch(4, torch.Generator().manual_seed(0))
+        step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
+        losses = [float(step(*batch).detach()) for _ in range(2)]
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, piper.stats(step)
+
+    cold = run()
+    warm = run()
+    assert (cold[2].forward, warm[2].forward) == ("traced", "loaded")
+    _same(cold, warm)
