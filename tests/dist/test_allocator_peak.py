@@ -65,3 +65,8 @@ def test_cpu_allocator_peak_per_rank_within_ten_percent_of_the_plan():
         print(f"{name:28} {rank:4} {m / MiB:14.2f} {p / MiB:9.2f}  {(p - m) / m:+6.1%}")
     bad = [f"{name} rank {rank}: {d}" for name, rank, m, p, d in rows if abs(m - p) > 0.10 * m]
     assert not bad, "\n".join(bad)
+    # Measured 0.6% on average (the worst -3.0%: DP2 ZeRO-3 rank 1, which varies by ~1 MiB from run to
+    # run). With sends freed on the reaper thread (test_send_release.py) it was 3.3%.
+    mean = sum(abs(m - p) / m for _, _, m, p, _ in rows) / len(rows)
+    assert mean < 0.025, f"the plan is {mean:.1%} off the allocator on average"
+
