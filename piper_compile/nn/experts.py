@@ -52,9 +52,34 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w_gate: to
         return grouped_swiglu_triton(x, counts, w_gate, w_up, w_down)
     y = x.new_zeros(x.shape[0], w_down.shape[-1])
     for e, a, b in blocks(counts):
-        xe = x[a:b]
-        y[a:b] = (F.silu(xe @ w_gate[e]) * (xe @ w_up[e])) @ w_down[e]
+        y[a:b] = block_forward(x[a:b], w_gate[e], w_up[e], w_down[e])
     return y
+
+
+def block_forward(xe: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    """One expert's rows through its SwiGLU (the reference's loop body; ``sim/expert_memory`` walks it)."""
+    return (F.silu(xe @ wg) * (xe @ wu)) @ wd
+
+
+def block_backward(ge: torch.Tensor, xe: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor,
+                   gg: torch.Tensor, gu: torch.Tensor, gd: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """One expert's input gradient; its weight gradients added into ``gg``/``gu``/``gd`` (``beta=0``: written
+    over them). The reference's loop body (``sim/expert_memory`` walks it): each intermediate is dropped
+    after its last use, as the walk assumes (a named local would hold its rows until the return)."""
+    g_pre, u = xe @ wg, xe @ wu
+    s = torch.sigmoid(g_pre)
+    act = g_pre * s
+    gd.addmm_((act * u).t(), ge, beta=beta)
+    gh = ge @ wd.t()
+    gu_pre = gh * act
+    del act
+    d_act = s * (1 + g_pre * (1 - s))  # silu'(g_pre)
+    del s, g_pre
+    gg_pre = (gh * u).mul_(d_act)
+    del gh, u, d_act
+    gu.addmm_(xe.t(), gu_pre, beta=beta)
+    gg.addmm_(xe.t(), gg_pre, beta=beta)
+    return gg_pre @ wg.t() + gu_pre @ wu.t()
 
 
 def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor | list[int],
@@ -78,18 +103,7 @@ def grouped_swiglu_backward(gy: torch.Tensor, x: torch.Tensor, counts: torch.Ten
     if beta == 0.0:
         zero_unused((gg, gu, gd), spans)
     for e, a, b in spans:
-        xe, ge = x[a:b], gy[a:b]
-        g_pre, u = xe @ w_gate[e], xe @ w_up[e]
-        s = torch.sigmoid(g_pre)
-        act = g_pre * s
-        h = act * u
-        gd[e].addmm_(h.t(), ge, beta=beta)
-        gh = ge @ w_down[e].t()
-        gu_pre = gh * act
-        gg_pre = gh * u * (s * (1 + g_pre * (1 - s)))
-        gu[e].addmm_(xe.t(), gu_pre, beta=beta)
-        gg[e].addmm_(xe.t(), gg_pre, beta=beta)
-        gx[a:b] = gg_pre @ w_gate[e].t() + gu_pre @ w_up[e].t()
+        gx[a:b] = block_backward(gy[a:b], x[a:b], w_gate[e], w_up[e], w_down[e], gg[e], gu[e], gd[e], beta)
     return gx, gg, gu, gd
 
 

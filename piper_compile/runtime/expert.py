@@ -98,6 +98,15 @@ def all_to_all(op: Any, inputs: list[Any], group: Any, size: int) -> tuple[Any, 
     return _a2a(out, t, route.send_splits, route.recv_splits, group), [out], t
 
 
+def step_transient(inputs: list[Any], forward: bool, codegen: str) -> int:
+    """Bytes an experts step (its ``inputs``) holds while it runs: ``sim/expert_memory``'s rule at the rows
+    it received per local expert."""
+    from piper_compile.sim.expert_memory import step_transient as rule
+
+    route, wg = (inputs[1], inputs[2]) if forward else (inputs[1], inputs[3])
+    return rule(route.local_counts, wg.shape[-2], wg.shape[-1], wg.dtype, forward, codegen != "eager")
+
+
 def swiglu_flops(inputs: list[Any], forward: bool) -> int:
     """FLOPs of an experts step on its received rows: forward the gate, up and down matmuls (6 R D H);
     backward recomputes gate and up, then the hidden, input and three weight gradients (16 R D H)."""

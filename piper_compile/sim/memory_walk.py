@@ -84,6 +84,8 @@ class _Held:
             inside = self.sizes.transient(ins.node.op.segment, dropped)
             if inside > temp[1]:
                 temp = (f"{INSIDE}{ins.node.op.segment}", inside)
+        elif (inside := n.op.transient(n, self.sizes)) > temp[1]:  # e.g. an experts step (sim/expert_memory)
+            temp = (f"{INSIDE}{n.name}", inside)
         if temp[1] or not early_step:
             self._sample(pos, temp)
 

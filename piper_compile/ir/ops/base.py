@@ -86,6 +86,10 @@ class Op:
         return []
 
     # -- runtime --------------------------------------------------------------------------------------
+    def transient(self, node: "Node", sizes: "Sizes") -> int:
+        """Bytes this step holds only while it runs, beyond its inputs and outputs (the memory plan)."""
+        return 0
+
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:  # pragma: no cover - every non-compute op says
         raise NotImplementedError(f"piper: internal: no runtime for {type(self).__name__}")
 

@@ -88,11 +88,38 @@ class ExpertStep(Local):
     dtype: str = ""
     forward: bool = True
 
+    def _weights(self, node: "Node") -> tuple[str, ...]:
+        return node.inputs[2:5] if self.forward else node.inputs[3:6]
+
+    def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
+        """The experts' rows out (balanced routing, ``sim/expert_memory``) and, unless they are added into
+        the buffers, the local experts' weight gradients; the unpermuted outputs as the graph sizes them."""
+        if self.role != "experts":
+            return Local.allocates(self, node, sizes)
+        from piper_compile.sim.expert_memory import slot_bytes
+
+        out = [(node.outputs[0], slot_bytes(self.shape, self.dtype, sizes), False)]
+        weights = self._weights(node)
+        for k, v in enumerate(node.outputs[1:]):
+            grad = 0 if self.accumulate or k >= len(weights) else sizes.params_bytes([weights[k].removeprefix("param:")])
+            out.append((v, grad, False))
+        return out
+
+    def transient(self, node: "Node", sizes: "Sizes") -> int:
+        if self.role != "experts":
+            return 0
+        from piper_compile.sim.expert_memory import planned_transient
+
+        return planned_transient(self.shape, self.dtype, self.experts, len(node.devices), self._weights(node)[0],
+                                 self.forward, sizes)
+
     def compute(self, rt: Any, ins: "Instr", inputs: list[Any]) -> list[Any]:
         import torch
 
         from piper_compile.runtime import expert
 
+        if self.role == "experts":  # what it holds while it runs, at the rows it received
+            rt.transient = expert.step_transient(inputs, self.forward, rt.ex.codegen)
         acc, overwrite = None, False
         if self.accumulate and rt.grads is not None:  # w_gate, w_up, w_down, in their buffers' dtype
             acc, overwrite = rt.grads.claim(f for _, f in self.grads)

@@ -24,7 +24,11 @@ class _AllToAll(Collective):
         return Kind.ALL_TO_ALL
 
     def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
-        return []  # rows in flight are sized by routing only known at run time (the runtime counts them)
+        """The rows received (balanced routing, ``sim/expert_memory``); the counts and the route: none."""
+        from piper_compile.sim.expert_memory import slot_bytes
+
+        rows = slot_bytes(getattr(self, "shape", ()), getattr(self, "dtype", ""), sizes)
+        return [(v, rows if k == 0 and rows else 0, False) for k, v in enumerate(node.outputs)]
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
         import torch
