@@ -84,14 +84,18 @@ def _expert_graph(d: int, h: int, dtype: torch.dtype, forward: bool, fused: bool
     return gm, str(fakes[0].shape[0].node.expr)
 
 
-def _block_bytes(rows: int, d: int, h: int, dtype: torch.dtype, forward: bool, fused: bool) -> int:
+@functools.lru_cache(maxsize=None)
+def _bytes_per_row(d: int, h: int, dtype: torch.dtype, forward: bool, fused: bool) -> int:
+    """What one expert block holds per row it computes: every intermediate of its graph is ``rows x H`` or
+    ``rows x D`` (the weights' gradients are added in place), so the walk's peak is linear in the rows."""
     from piper_compile.sim.segment_memory import transient_bytes
 
-    if rows <= 0:
-        return 0
     gm, sym = _expert_graph(d, h, dtype, forward, fused)
-    out = rows * d * dtype.itemsize  # the block's result, written into the grouped output
-    return transient_bytes(gm, {sym: rows}, fused=fused) + out
+    return transient_bytes(gm, {sym: 1}, fused=fused) + d * dtype.itemsize  # and its result, written in
+
+
+def _block_bytes(rows: int, d: int, h: int, dtype: torch.dtype, forward: bool, fused: bool) -> int:
+    return rows * _bytes_per_row(d, h, dtype, forward, fused) if rows > 0 else 0
 
 
 def step_transient(counts: Sequence[int], d: int, h: int, dtype: torch.dtype, forward: bool, fused: bool) -> int:
