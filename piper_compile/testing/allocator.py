@@ -29,12 +29,18 @@ def _cpu_totals(prof: Any) -> list[tuple[int, int, int]]:
 
 
 def _cpu_peak_over_start(step: Any, batch: tuple[torch.Tensor, ...], steps: int) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        for _ in range(steps):
+    """The most any of ``steps`` calls held over what it started with, each call profiled on its own: the
+    profiler records the memory events of its own threads only, so a tensor another thread frees (gloo's
+    workers drop what their collectives held) stays in its running total; one session per call keeps
+    that drift from adding up over the calls."""
+    peak = 0
+    for _ in range(steps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step(*batch)
-    events = _cpu_totals(prof)
-    start = events[0][1] - events[0][2]  # allocated before the first allocation recorded
-    return max(total for _, total, _ in events) - start
+        events = _cpu_totals(prof)
+        start = events[0][1] - events[0][2]  # allocated before the first allocation recorded
+        peak = max(peak, max(total for _, total, _ in events) - start)
+    return peak
 
 
 def _cuda_peak_over_start(step: Any, batch: tuple[torch.Tensor, ...], steps: int) -> int:
