@@ -53,7 +53,7 @@ def expert_backward(gy: torch.Tensor, x: torch.Tensor, wg: torch.Tensor, wu: tor
 ROWS_HINT = 64  # the row count the functions are traced with; the code is compiled for any count
 
 
-def _symbolic(example: list[torch.Tensor], dynamic: list[bool]) -> list[Any]:
+def symbolic_rows(example: list[torch.Tensor], dynamic: list[bool]) -> list[Any]:
     """Fake tensors like ``example`` whose first dimension is one size symbol where ``dynamic`` says so
     (every such input has ``ROWS_HINT`` rows: one symbol), other dimensions static."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -77,7 +77,7 @@ def _compile(fn: Callable[..., Any], example: list[torch.Tensor], dynamic: list[
     from piper_compile.codegen import cache, warmup
     from piper_compile.knobs import knob
 
-    fakes = _symbolic(example, dynamic)
+    fakes = symbolic_rows(example, dynamic)
     warmup.wait()
     with torch.no_grad():
         gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fakes)

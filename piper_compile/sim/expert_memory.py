@@ -76,7 +76,7 @@ def _expert_graph(d: int, h: int, dtype: torch.dtype, forward: bool, fused: bool
     else:
         example = [out, rows, wg, wg.clone(), wd, *grads]
         fn = lambda ge, xe, g, u, d_, gg, gu, gd: reference.block_backward(ge, xe, g, u, d_, gg, gu, gd)  # noqa: E731
-    fakes = compiled._symbolic(example, [True, True] + [False] * (len(example) - 2) if not forward
+    fakes = compiled.symbolic_rows(example, [True, True] + [False] * (len(example) - 2) if not forward
                                else [True] + [False] * (len(example) - 1))
     with torch.no_grad():
         gm = make_fx(fn, tracing_mode="fake")(*fakes)
@@ -104,6 +104,6 @@ def step_transient(counts: Sequence[int], d: int, h: int, dtype: torch.dtype, fo
     gradients and the rows) and the grouped result, with the largest expert block's intermediates; less
     the output, made only once the copies are gone (the grouped result stays beside it)."""
     rows = sum(counts)
-    copies = (1 if forward else 2) + 1 - 1  # regrouped input(s) and the grouped result, less the output
+    copies = 1 if forward else 2  # regrouped input(s) and the grouped result, less the output
     block = max((_block_bytes(c, d, h, dtype, forward, fused) for c in set(counts)), default=0)
     return copies * rows * d * dtype.itemsize + block
