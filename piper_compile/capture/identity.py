@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+
 def stable(v: Any) -> str:
     """``repr`` that is the same in every process: sets and dicts in sorted order (a set of strings iterates
     in an order of the process's hash seed), objects whose ``repr`` is their address by their name."""
@@ -47,8 +48,6 @@ def code_digest(code: types.CodeType, h: Any) -> None:
 def _import_path(obj: Any) -> str | None:
     """``module.name`` that gives ``obj`` back: its qualified name, or for a builtin its plain name
     (``torch.arange`` is ``_VariableFunctionsClass.arange``)."""
-    import importlib
-
     module = getattr(obj, "__module__", None)
     if not isinstance(module, str):
         return None
@@ -56,13 +55,10 @@ def _import_path(obj: Any) -> str | None:
         if not isinstance(name, str):
             continue
         try:
-            found: Any = importlib.import_module(module)
-            for part in name.split("."):
-                found = getattr(found, part)
+            if _by_path(f"{module}.{name}") is obj:
+                return f"{module}.{name}"
         except Exception:  # noqa: BLE001 - not reachable by this name
             continue
-        if found is obj:
-            return f"{module}.{name}"
     return None
 
 

@@ -3,7 +3,7 @@
 
 - **Rows.** The all-to-alls of one MoE layer move the ``N x k`` (token, choice) slots of a micro-batch:
   ``dispatch`` to the experts' ranks, ``combine`` back, and the same ways for their gradients. How many
-  rows a rank receives is known only once the router has run; the plan takes routing as balanced: a rank
+  rows a rank receives is known only once the router has run; the plan expects routing balanced: a rank
   receives as many rows as it sends, ``N * k``, spread over its ``E / G`` experts (the busiest one at the
   expected maximum load of uniformly random routing). A model whose router sends one rank more rows than
   that holds more than the plan says (measured: a rank receiving ~1.5x its balanced rows).
@@ -24,15 +24,16 @@ from typing import Any, Sequence
 import torch
 
 
-def balanced_counts(slots: int, local_experts: int) -> list[int]:
+def expected_counts(slots: int, local_experts: int) -> list[int]:
     """Rows per local expert as the plan expects them: a rank receives ``slots`` rows (as many as it sends),
     spread evenly, except that the busiest expert gets the expected maximum of ``local_experts`` loads of
     uniformly random routing (mean plus ``sqrt(2 mean ln L)``): its block's intermediates are what the
     step holds at its peak."""
-    local = max(local_experts, 1)
-    mean = slots / local
-    busiest = min(slots, round(mean + math.sqrt(2 * mean * math.log(local)))) if local > 1 else slots
-    return [busiest] + [max(slots - busiest, 0) // (local - 1)] * (local - 1) if local > 1 else [slots]
+    if local_experts <= 1:
+        return [slots]
+    mean = slots / local_experts
+    busiest = min(slots, round(mean + math.sqrt(2 * mean * math.log(local_experts))))
+    return [busiest] + [(slots - busiest) // (local_experts - 1)] * (local_experts - 1)
 
 
 def slot_bytes(shape: Any, dtype: str, sizes: Any) -> int:
@@ -54,7 +55,7 @@ def planned_transient(shape: Any, dtype: str, experts: int, group: int, wg: str,
     if not h:
         return 0
     dt = getattr(torch, (dtype or "float32").removeprefix("torch."))
-    return step_transient(balanced_counts(slots, local), d, h, dt, forward, sizes.fused_code)
+    return step_transient(expected_counts(slots, local), d, h, dt, forward, sizes.fused_code)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,8 +77,8 @@ def _expert_graph(d: int, h: int, dtype: torch.dtype, forward: bool, fused: bool
     else:
         example = [out, rows, wg, wg.clone(), wd, *grads]
         fn = lambda ge, xe, g, u, d_, gg, gu, gd: reference.block_backward(ge, xe, g, u, d_, gg, gu, gd)  # noqa: E731
-    fakes = compiled.symbolic_rows(example, [True, True] + [False] * (len(example) - 2) if not forward
-                               else [True] + [False] * (len(example) - 1))
+    rows_first = 1 if forward else 2  # the inputs with a row count: the rows (and the output gradients)
+    fakes = compiled.symbolic_rows(example, [i < rows_first for i in range(len(example))])
     with torch.no_grad():
         gm = make_fx(fn, tracing_mode="fake")(*fakes)
     gm.graph.output_node().args = ((gm.graph.output_node().args[0],),)  # one output, as a tuple

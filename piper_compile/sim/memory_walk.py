@@ -79,13 +79,9 @@ class _Held:
             held = self.gathered if is_param else self.live
             self.total[is_param] += b - held.get(v, 0)
             held[v] = b
-        if isinstance(ins.node.op, SegmentOp):  # its intermediates (sim/segment_memory), fused gradients included
-            dropped = tuple(i for i, v in enumerate(ins.node.outputs) if v in self.fused)
-            inside = self.sizes.transient(ins.node.op.segment, dropped)
-            if inside > temp[1]:
-                temp = (f"{INSIDE}{ins.node.op.segment}", inside)
-        elif (inside := n.op.transient(n, self.sizes)) > temp[1]:  # e.g. an experts step (sim/expert_memory)
-            temp = (f"{INSIDE}{n.name}", inside)
+        inside = n.op.transient(n, self.sizes, self.fused)  # what it holds while it runs (the op's rule)
+        if inside > temp[1]:
+            temp = (f"{INSIDE}{getattr(n.op, 'segment', n.name)}", inside)
         if temp[1] or not early_step:
             self._sample(pos, temp)
 

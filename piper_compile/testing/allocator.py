@@ -7,7 +7,7 @@ the state the plan counts as persistent is added back, so the figure compares wi
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._C._profiler import _EventType
@@ -28,19 +28,24 @@ def _cpu_totals(prof: Any) -> list[tuple[int, int, int]]:
     return sorted(out)
 
 
+def cpu_peak(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """(the most bytes the CPU allocator held during ``fn()`` over what it held before, ``fn()``'s result).
+    The profiler records the memory events of its own thread only: a tensor another thread frees stays
+    counted until the session ends."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = _cpu_totals(prof)
+    if not events:
+        return 0, out
+    start = events[0][1] - events[0][2]  # allocated before the first allocation recorded
+    return max(total for _, total, _ in events) - start, out
+
+
 def _cpu_peak_over_start(step: Any, batch: tuple[torch.Tensor, ...], steps: int) -> int:
-    """The most any of ``steps`` calls held over what it started with, each call profiled on its own: the
-    profiler records the memory events of its own threads only, so a tensor another thread frees (gloo's
-    workers drop what their collectives held) stays in its running total; one session per call keeps
-    that drift from adding up over the calls."""
-    peak = 0
-    for _ in range(steps):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(*batch)
-        events = _cpu_totals(prof)
-        start = events[0][1] - events[0][2]  # allocated before the first allocation recorded
-        peak = max(peak, max(total for _, total, _ in events) - start)
-    return peak
+    """The most any of ``steps`` calls held over what it started with, each call profiled on its own
+    (:func:`cpu_peak`): what gloo's worker threads free (what their collectives held) stays in the running
+    total, and one session per call keeps that drift from adding up over the calls."""
+    return max(cpu_peak(lambda: step(*batch))[0] for _ in range(steps))
 
 
 def _cuda_peak_over_start(step: Any, batch: tuple[torch.Tensor, ...], steps: int) -> int:

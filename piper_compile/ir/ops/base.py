@@ -86,8 +86,9 @@ class Op:
         return []
 
     # -- runtime --------------------------------------------------------------------------------------
-    def transient(self, node: "Node", sizes: "Sizes") -> int:
-        """Bytes this step holds only while it runs, beyond its inputs and outputs (the memory plan)."""
+    def transient(self, node: "Node", sizes: "Sizes", fused: frozenset[str] = frozenset()) -> int:
+        """Bytes this step holds only while it runs, beyond its inputs and outputs (the memory plan);
+        ``fused``: the gradient values written into their buffers by the step itself, not kept."""
         return 0
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:  # pragma: no cover - every non-compute op says

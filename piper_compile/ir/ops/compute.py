@@ -60,6 +60,10 @@ class Segment(Local):
     def accumulates(self) -> frozenset[str]:
         return frozenset({f for _, f in self.grads} | ({LOSS} if self.loss else set()))
 
+    def transient(self, node: "Node", sizes: "Sizes", fused: frozenset[str] = frozenset()) -> int:
+        """Its intermediates (``sim/segment_memory``), the gradients it writes into their buffers included."""
+        return sizes.transient(self.segment, tuple(i for i, v in enumerate(node.outputs) if v in fused))
+
     def compute(self, rt: Any, ins: "Instr", inputs: list[Any]) -> list[Any]:
         seg = rt.segments[self.segment]
         fused = bool(seg.fused) and rt.grads is not None
@@ -105,7 +109,8 @@ class ExpertStep(Local):
             out.append((v, grad, False))
         return out
 
-    def transient(self, node: "Node", sizes: "Sizes") -> int:
+    def transient(self, node: "Node", sizes: "Sizes", fused: frozenset[str] = frozenset()) -> int:
+        """The experts step's copies and its busiest expert's intermediates (``sim/expert_memory``)."""
         if self.role != "experts":
             return 0
         from piper_compile.sim.expert_memory import planned_transient
