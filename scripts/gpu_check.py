@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,26 +30,30 @@ def _env_row() -> Row:
     return ("environment", "INFO", f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv}, {dev}", 0.0)
 
 
-def _pytest(paths: list[str], out: Path, name: str, timeout: int) -> list[Row]:
-    """Run pytest on ``paths``; one row per test case from its JUnit XML. The log is written as pytest
-    runs (``-v``: one line per case), so a run stopped at its time limit still shows which cases ended."""
+def _start(paths: list[str], out: Path, name: str, jobs: int) -> tuple[subprocess.Popen, Path, Path, float]:
+    """Start pytest on ``paths``, its log written as it runs (``-v``: one line per case, so a run stopped at
+    its time limit still shows which cases ended) and its cases in JUnit XML."""
     xml, log = out / f"{name}.xml", out / f"{name}.log"
     # a hang is a failure with a place, not the end of the device time: piper's waits give up after
     # PIPER_TIMEOUT seconds naming the instruction, pytest-timeout (where installed) ends a stuck case
     per_case = ["--timeout=100"] if importlib.util.find_spec("pytest_timeout") else []
     env = {**os.environ, "PIPER_TIMEOUT": os.environ.get("PIPER_TIMEOUT", "45")}
-    t0 = time.perf_counter()
+    # files side by side share the cores: each run's Inductor compiles with its share of worker processes
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     with log.open("w") as f:
-        try:
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider",
-                                   *per_case, f"--junitxml={xml}", *paths], cwd=ROOT, timeout=timeout, stdout=f,
-                                  stderr=subprocess.STDOUT, text=True, env=env)
-        except subprocess.TimeoutExpired:
-            ended = [ln for ln in log.read_text().splitlines() if any(f" {w}" in ln for w in ("PASSED", "FAILED", "SKIPPED"))]
-            return [(name, "FAIL", f"timed out after {timeout}s; ended before: {'; '.join(ended)[-400:]}",
-                     time.perf_counter() - t0)]
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider",
+                                 *per_case, f"--junitxml={xml}", *paths], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    return proc, xml, log, time.perf_counter()
+
+
+def _rows(name: str, xml: Path, log: Path, code: int | None, secs: float, timeout: int) -> list[Row]:
+    """One row per test case of a finished pytest run (or one FAIL row saying why there are none)."""
+    if code is None:
+        ended = [ln for ln in log.read_text().splitlines() if any(f" {w}" in ln for w in ("PASSED", "FAILED", "SKIPPED"))]
+        return [(name, "FAIL", f"timed out after {timeout}s; ended before: {'; '.join(ended)[-400:]}", secs)]
     if not xml.exists():
-        return [(name, "FAIL", f"pytest wrote no report (exit {proc.returncode}): {log.read_text()[-300:]}", 0.0)]
+        return [(name, "FAIL", f"pytest wrote no report (exit {code}): {log.read_text()[-300:]}", secs)]
     rows = []
     for case in ET.parse(xml).iter("testcase"):
         status, detail = "PASS", ""
@@ -58,7 +63,40 @@ def _pytest(paths: list[str], out: Path, name: str, timeout: int) -> list[Row]:
                 status, detail = word, (el.get("message") or "").splitlines()[0][:160] if el.get("message") else ""
         rows.append((f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}", status, detail,
                      float(case.get("time", 0.0))))
-    return rows or [(name, "FAIL", "no test ran", 0.0)]
+    return rows or [(name, "FAIL", "no test ran", secs)]
+
+
+def run_files(files: list[str], out: Path, timeout: int, jobs: int) -> list[Row]:
+    """pytest on each of ``files`` in its own process, up to ``jobs`` at once, all within ``timeout``
+    seconds; the rows come back in the order of ``files``. Most of a GPU test's time is the host compiling
+    (Dynamo, Inductor, Triton) and the ranks' processes starting, so on a many-core GPU machine the files
+    overlap well; none measures time, and each measures memory in its own processes. A run still going at
+    the deadline is stopped (its whole process group) and reported with the cases that ended."""
+    deadline = time.perf_counter() + timeout
+    waiting, running, done = list(files), {}, {}
+    while waiting or running:
+        while waiting and len(running) < max(1, jobs):
+            f = waiting.pop(0)
+            running[f] = _start([f], out, Path(f).stem, max(1, jobs))
+        for f, (proc, xml, log, t0) in list(running.items()):
+            stopped = proc.poll() is None and time.perf_counter() > deadline
+            if proc.poll() is None and not stopped:
+                continue
+            if stopped:
+                os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
+            done[f] = _rows(Path(f).stem, xml, log, None if stopped else code, time.perf_counter() - t0, timeout)
+            del running[f]
+        time.sleep(0.2)
+    return [row for f in files for row in done[f]]
+
+
+def _gpu_files() -> list[str]:
+    """tests/gpu's files, the longest first (measured on an H200) so the overlap ends together."""
+    order = ["test_shared_gpu", "test_cuda_graph", "test_cuda_memory", "test_cuda"]
+    files = sorted((ROOT / "tests" / "gpu").glob("test_*.py"),
+                   key=lambda p: order.index(p.stem) if p.stem in order else len(order))
+    return [str(p.relative_to(ROOT)) for p in files]
 
 
 def _bench(out: Path, gpu: bool, timeout: int) -> list[Row]:
@@ -160,7 +198,8 @@ def main() -> int:
     gpu = torch.cuda.is_available() and not args.quick
     rows = [_env_row()]
     if gpu:
-        rows += _pytest(["tests/gpu"], out, "tests_gpu", timeout=int(os.environ.get("PIPER_GPU_TESTS_S", 360)))
+        jobs = int(os.environ.get("PIPER_GPU_TEST_JOBS", max(1, min(5, (os.cpu_count() or 1) // 3))))
+        rows += run_files(_gpu_files(), out, int(os.environ.get("PIPER_GPU_TESTS_S", 360)), jobs)
         print(table(rows), flush=True)
     else:
         why = "--quick" if args.quick else "no CUDA device (torch.cuda.is_available() is False)"
