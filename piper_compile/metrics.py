@@ -83,6 +83,9 @@ class StepMetrics:
     # at all: capture/forward_cache.py) or "dynamo" (torch.compile's hook traced it), and its seconds
     forward: str = "dynamo"
     forward_s: float = 0.0
+    # expert parallelism: the most rows one of this rank's MoE layers received in the step, over balanced
+    # routing's (0.0 without expert parallelism); the memory plan sizes them by ``shard``'s load
+    expert_load: float = 0.0
 
     @property
     def tflops_per_s(self) -> float:
@@ -201,7 +204,7 @@ def metrics_of(cs: Any) -> StepMetrics:
                        len(segs), sum(1 for c in segs if c.fallback), sum(c.compile_seconds for c in segs),
                        sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps),
                        count("hit", "loaded"), count("miss"), count("reused"), cs.joint.how, cs.joint.seconds,
-                       count("loaded"), cs.forward_how, cs.forward_seconds)
+                       count("loaded"), cs.forward_how, cs.forward_seconds, stats.expert_load)
 
 
 def stats(step: Any) -> StepMetrics:

@@ -41,13 +41,20 @@ def replicate(filter: Filter | None = None, devices: Sequence[int] | None = None
     return d
 
 
-def shard(filter: Filter | None = None, devices: Sequence[int] | None = None, stream: str = "ep") -> dict[str, Any]:
+def shard(filter: Filter | None = None, devices: Sequence[int] | None = None, stream: str = "ep",
+          load: float = 1.0) -> dict[str, Any]:
     """Expert parallelism over ``devices`` (default: the ranks the matched regions run on) for the MoE
     layers (:class:`piper_compile.nn.MoE` / ``moe_experts``) in the matched regions: each rank keeps
-    ``E / len(devices)`` experts; tokens travel to their experts and back by all-to-all on ``stream``."""
+    ``E / len(devices)`` experts; tokens travel to their experts and back by all-to-all on ``stream``.
+    ``load``: how many rows the busiest rank receives relative to balanced routing (1.0; at most the
+    group's size): the memory plan and the simulator size the rows an experts' rank receives, holds and
+    computes on by it. The runtime measures it (``piper.stats(step).expert_load``) and logs a warning
+    when a step exceeds it by more than 10%."""
     d: dict[str, Any] = {"op": "shard", "filter": dict(filter or {}), "stream": stream}
     if devices is not None:
         d["devices"] = list(devices)
+    if load != 1.0:
+        d["load"] = load
     return d
 
 

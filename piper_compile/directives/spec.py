@@ -94,11 +94,14 @@ class Shard(Directive):
     filter: Filter = field(default_factory=dict)
     devices: tuple[int, ...] | None = None  # default: the device group the regions run on
     stream: str = "ep"
+    load: float = 1.0  # rows the busiest rank receives, relative to balanced routing (the plan's sizes)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"op": "shard", "filter": dict(self.filter), "stream": self.stream}
         if self.devices is not None:
             d["devices"] = list(self.devices)
+        if self.load != 1.0:
+            d["load"] = self.load
         return d
 
 
@@ -283,10 +286,17 @@ def _parse_order(i: int, raw: dict) -> Order:
 
 
 def _parse_shard(i: int, raw: dict) -> Shard:
-    _allowed(i, raw, {"filter", "devices", "stream"})
+    _allowed(i, raw, {"filter", "devices", "stream", "load"})
     devices = _devices(i, raw) if raw.get("devices") is not None else None
     stream = _check_type(i, raw, "stream", (str,), "a string") if raw.get("stream") is not None else "ep"
-    return Shard(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices, stream=stream)
+    load = float(_check_type(i, raw, "load", (int, float), "a number >= 1")) if raw.get("load") is not None else 1.0
+    if not load >= 1.0 or load == float("inf"):
+        raise PiperDirectiveError(i, raw, f"field 'load' is the rows the busiest rank receives relative to balanced "
+                                  f"routing, so at least 1; got {raw['load']!r}",
+                                  "leave it out for balanced routing, or give the measured skew "
+                                  "(piper.stats(step).expert_load), e.g. 1.5")
+    return Shard(index=i, raw=raw, filter=_filter(i, raw, raw.get("filter", {})), devices=devices, stream=stream,
+                 load=load)
 
 
 def _parse_shard_tensor(i: int, raw: dict) -> ShardTensor:

@@ -14,6 +14,7 @@ are not reduced across the group (``dag.meta.ep_params`` lists them for the grad
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -29,7 +30,7 @@ from piper_compile.ir.ops import Segment as SegmentOp
 from piper_compile.passes.context import PassContext
 from piper_compile.passes.directive_passes import check_ranks, match
 
-EP_ATTRS = ("ep_by", "ep_devices", "ep_stream")
+EP_ATTRS = ("ep_by", "ep_devices", "ep_stream", "ep_load")
 
 
 def apply_shard(dag: TrainingDAG, d: Shard, ctx: PassContext) -> TrainingDAG:
@@ -42,7 +43,8 @@ def apply_shard(dag: TrainingDAG, d: Shard, ctx: PassContext) -> TrainingDAG:
                       "annotate the MoE layers (e.g. piper.annotate(block.moe, EP=i)) and filter on that tag; "
                       "a custom MoE layer must compute its experts with piper_compile.nn.moe_experts")
     for n in nodes:
-        dag.replace(n.with_attrs(ep_by=d.index, ep_devices=d.devices, ep_stream=d.stream))
+        load = {"ep_load": d.load} if d.load != 1.0 else {}  # balanced routing: no attribute
+        dag.replace(n.with_attrs(ep_by=d.index, ep_devices=d.devices, ep_stream=d.stream, **load))
     return dag
 
 
@@ -127,8 +129,19 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
             rows = (tuple(shape), dtype)
         chain = _forward_chain(n, args, weights, experts, rows) if forward else \
             _backward_chain(ctx, n, args, weights, experts, rows, fwd_of)
-        _chain(dag, n, group, chain)
+        _chain(dag, n, group, [(role, i, o, _loaded(op, n, group)) for role, i, o, op in chain])
     return dag
+
+
+def _loaded(op: Op, n: Node, group: tuple[int, ...]) -> Op:
+    """``op`` with the ``shard`` directive's ``load`` (the busiest rank's rows over balanced routing)."""
+    load = n.attr("ep_load") or 1.0
+    if load > len(group):
+        raise PiperDirectiveError(n.attr("ep_by"), {"shard": n.name},
+                                  f"load {load} is more rows than a rank can receive: the {len(group)} ranks "
+                                  f"{list(group)} send at most {len(group)}x balanced routing's rows to one rank",
+                                  f"give a load between 1 and {len(group)}")
+    return dataclasses.replace(op, load=load) if hasattr(op, "load") and load != 1.0 else op  # type: ignore[arg-type]
 
 
 def _forward_chain(n: Node, args: dict[int, str], weights: tuple[str, ...], experts: int,

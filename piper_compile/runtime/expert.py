@@ -9,6 +9,7 @@ combining all-to-all (the inverse split sizes) returns every row to its slot.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,26 @@ def all_to_all(op: Any, inputs: list[Any], group: Any, size: int) -> tuple[Any, 
     assert role == "combine", role
     out = t.new_empty(sum(route.send_splits), t.shape[-1])
     return _a2a(out, t, route.send_splits, route.recv_splits, group), [out], t
+
+
+_OVER_PLAN = 1.1  # a step's load this far over the plan's is logged: the memory plan's 10% line
+_warned: set[str] = set()
+
+
+def check_load(route: Route, planned: float, label: str) -> float:
+    """The rows this rank's experts received over balanced routing's (as many as the rank sent, ``N * k``).
+    The first time a layer ``label`` exceeds the ``planned`` load (``shard``'s load) by more than 10%, a
+    warning says so: the memory plan (and a budget check) counted fewer rows than this rank holds."""
+    slots = route.tokens * route.top_k
+    load = sum(route.recv_splits) / slots if slots else 0.0
+    if load > _OVER_PLAN * planned and label not in _warned:
+        _warned.add(label)
+        logging.getLogger("piper_compile").warning(
+            "piper: expert-parallel layer %s received %d rows on this rank, %.2fx balanced routing's %d, where "
+            "the memory plan counts %.2fx: it under-counts what this rank holds; pass the measured skew as "
+            "shard(..., load=%.2f) (piper.stats(step).expert_load gives it each step)",
+            label, sum(route.recv_splits), load, slots, planned, load)
+    return load
 
 
 def step_transient(inputs: list[Any], forward: bool, codegen: str) -> int:

@@ -47,6 +47,7 @@ class StepStats:
     p2p_wait_s: float = 0.0
     samples: int = 0  # the global batch of the step (every replica's samples)
     expert_flops: int = 0  # expert-parallel experts steps (outside segment graphs: counted as they run)
+    expert_load: float = 0.0  # the most rows an experts step received, over balanced routing's (check_load)
     symbols: dict[str, int] = field(default_factory=dict)  # the step's size symbols (FLOP counts read them)
     events: tuple[Any, Any] | None = None  # CUDA: events at the step's start and end (device step time)
     device_s: float | None = None  # the device time between them, once read (``device_seconds``)

@@ -36,15 +36,17 @@ def expected_counts(slots: int, local_experts: int) -> list[int]:
     return [busiest] + [(slots - busiest) // (local_experts - 1)] * (local_experts - 1)
 
 
-def slot_bytes(shape: Any, dtype: str, sizes: Any) -> int:
-    """Bytes of a micro-batch's ``N x k`` slots of ``D`` features (``shape``: ``[N, k, D]``)."""
-    return sizes.tensor_bytes(shape, dtype or "float32") if shape else 0
+def slot_bytes(shape: Any, dtype: str, sizes: Any, load: float = 1.0) -> int:
+    """Bytes of a micro-batch's ``N x k`` slots of ``D`` features (``shape``: ``[N, k, D]``), times ``load``
+    (an experts' rank receiving more than balanced routing's rows: ``shard``'s load)."""
+    return int(load * sizes.tensor_bytes(shape, dtype or "float32")) if shape else 0
 
 
 def planned_transient(shape: Any, dtype: str, experts: int, group: int, wg: str, forward: bool,
-                      sizes: Any) -> int:
-    """:func:`step_transient` as the plan sees it: balanced routing of the slots of ``shape`` over the
-    ``experts / group`` local experts, hidden size read from the local gate weights ``wg``'s elements."""
+                      sizes: Any, load: float = 1.0) -> int:
+    """:func:`step_transient` as the plan sees it: balanced routing of the slots of ``shape`` (times
+    ``load``) over the ``experts / group`` local experts, hidden size read from the local gate weights
+    ``wg``'s elements."""
     from piper_compile.sim.shapes import concrete
 
     if not shape:
@@ -55,7 +57,7 @@ def planned_transient(shape: Any, dtype: str, experts: int, group: int, wg: str,
     if not h:
         return 0
     dt = getattr(torch, (dtype or "float32").removeprefix("torch."))
-    return step_transient(expected_counts(slots, local), d, h, dt, forward, sizes.fused_code)
+    return step_transient(expected_counts(round(load * slots), local), d, h, dt, forward, sizes.fused_code)
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,3 +41,8 @@ def test_ep2_flops_add_up_to_one_rank_on_the_global_batch():
     whole = piper_worker(0, 1, one)["metrics"].flops
     res = run_parity(ep2, 2, rtol=1e-4, atol=1e-5)
     assert whole > 0 and sum(r["metrics"].flops for r in res) == whole, ([r["metrics"].flops for r in res], whole)
+    # the routing's skew, measured: in each micro-batch the two ranks receive both ranks' slots between them,
+    # so the busiest micro-batch's loads (rows over balanced routing's) add up to at least 2, each at most 2
+    loads = [r["metrics"].expert_load for r in res]
+    assert all(0 < x <= 2 for x in loads) and sum(loads) >= 2 - 1e-9, loads
+    assert piper_worker(0, 1, one)["metrics"].expert_load == 0.0

@@ -10,6 +10,7 @@ from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind
 from piper_compile.ir.meta import ExpertShard
 from piper_compile.ir.ops import ExpertA2A, ExpertCounts, GradReduce, Segment
+from piper_compile.sim.shapes import Sizes
 from piper_compile.sim.simulate import simulate_plan
 from piper_compile.testing.models import build_model
 
@@ -88,3 +89,71 @@ def test_shard_devices_must_be_the_replica_group():
 def test_shard_devices_outside_world():
     with pytest.raises(PiperDirectiveError, match="outside the world"):
         _plan([piper.replicate(), piper.shard({"EP": 0}, devices=[0, 7])])
+
+
+def _a2a_costs(p: piper.StaticPlan) -> dict[str, float]:
+    from piper_compile.sim.cost import FlopCost
+
+    cost = FlopCost(bytes_per_s=1e9, latency_s=0.0)
+    cost.bind(p.dag)
+    return {ins.node.name: cost.duration(ins, 0) for ins in p.programs[0].instrs if isinstance(ins.node.op, ExpertA2A)}
+
+
+def test_a_load_sizes_the_rows_an_experts_rank_receives_and_their_time():
+    """``shard(load=1.5)``: the busiest rank receives 1.5x balanced routing's rows. The plan holds 1.5x the
+    dispatched rows (forward and backward) and the experts' outputs, keeps the combined rows (each token's
+    own slots, back at its rank) as they were, holds more while the experts step runs, and the simulator
+    charges the all-to-alls and the experts step 1.5x."""
+    base = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0})])
+    skew = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0}, load=1.5)])
+    held = {}
+    for name, p in (("base", base), ("skew", skew)):
+        sizes = Sizes.from_dag(p.dag)
+        held[name] = {(n.op.NAME, getattr(n.op, "role", ""), n.tag("PASS"), n.op.mb if hasattr(n.op, "mb") else 0,
+                       n.name): (n.op.allocates(n, sizes)[0][1], n.op.transient(n, sizes))
+                      for n in p.dag.nodes.values() if n.op.NAME in ("expert_a2a", "expert_step")}
+    assert held["base"].keys() == held["skew"].keys()
+    for key, (rows, transient) in held["base"].items():
+        name, role = key[:2]
+        scaled = role == "dispatch" or (name == "expert_step" and role == "experts")
+        assert rows > 0 and held["skew"][key][0] == (int(1.5 * rows) if scaled else rows), key
+        if role == "experts":
+            assert held["skew"][key][1] > transient > 0, key
+    b, s = base.memory[0].figures, skew.memory[0].figures
+    assert s.peak_activations > b.peak_activations and s.peak_held > b.peak_held
+    cb, cs = _a2a_costs(base), _a2a_costs(skew)
+    assert set(cb) == set(cs)
+    for name in cb:
+        assert cs[name] == pytest.approx(1.5 * cb[name], rel=1e-6), name
+    steps = {n.name: n.op for n in skew.dag.of_kind(Kind.COMPUTE) if n.op.NAME == "expert_step"}
+    assert steps and all(op.load == 1.5 for op in steps.values())
+    assert all(n.op.load == 1.5 for n in skew.dag.of_kind(Kind.ALL_TO_ALL) if isinstance(n.op, ExpertA2A))
+    assert simulate_plan(skew).step_time > simulate_plan(base).step_time
+
+
+@pytest.mark.parametrize("load, match", [(0.5, "at least 1; got 0.5"), ("big", "must be a number >= 1"),
+                                         (True, "must be a number >= 1"), (float("nan"), "at least 1"),
+                                         (3, "load 3.0 is more rows than a rank can receive")])
+def test_a_bad_load_is_a_directive_error(load, match):
+    with pytest.raises(PiperDirectiveError, match=match):
+        _plan([piper.replicate(), {"op": "shard", "filter": {"EP": 0}, "load": load}])
+
+
+def test_a_step_over_the_planned_load_is_measured_and_warned_once_per_layer(caplog):
+    from piper_compile.runtime import expert
+
+    def route(recv: list[int]) -> expert.Route:
+        e = torch.empty(0, dtype=torch.long)
+        return expert.Route(e, e, tokens=8, top_k=2, send_splits=[8, 8], recv_splits=recv, local_perm=e,
+                            local_inv=e, local_counts=recv)
+
+    expert._warned.discard("moe.test")
+    with caplog.at_level("WARNING", logger="piper_compile"):
+        assert expert.check_load(route([8, 9]), 1.0, "moe.test") == pytest.approx(17 / 16)  # within 10%: quiet
+        assert not caplog.records
+        assert expert.check_load(route([12, 12]), 1.0, "moe.test") == 1.5
+        assert expert.check_load(route([12, 13]), 1.0, "moe.test") == pytest.approx(25 / 16)
+        assert expert.check_load(route([12, 12]), 1.5, "moe.other") == 1.5  # as planned: quiet
+    assert len(caplog.records) == 1, caplog.records
+    msg = caplog.records[0].getMessage()
+    assert msg.startswith("piper: expert-parallel layer moe.test received 24 rows") and "load=1.50" in msg, msg

@@ -91,6 +91,7 @@ class ExpertStep(Local):
     shape: tuple[Any, ...] = ()
     dtype: str = ""
     forward: bool = True
+    load: float = 1.0  # the busiest rank's rows over balanced routing (``shard``'s load)
 
     def _weights(self, node: "Node") -> tuple[str, ...]:
         return node.inputs[2:5] if self.forward else node.inputs[3:6]
@@ -102,7 +103,7 @@ class ExpertStep(Local):
             return Local.allocates(self, node, sizes)
         from piper_compile.sim.expert_memory import slot_bytes
 
-        out = [(node.outputs[0], slot_bytes(self.shape, self.dtype, sizes), False)]
+        out = [(node.outputs[0], slot_bytes(self.shape, self.dtype, sizes, self.load), False)]
         weights = self._weights(node)
         for k, v in enumerate(node.outputs[1:]):
             grad = 0 if self.accumulate or k >= len(weights) else sizes.params_bytes([weights[k].removeprefix("param:")])
@@ -116,7 +117,11 @@ class ExpertStep(Local):
         from piper_compile.sim.expert_memory import planned_transient
 
         return planned_transient(self.shape, self.dtype, self.experts, len(node.devices), self._weights(node)[0],
-                                 self.forward, sizes)
+                                 self.forward, sizes, self.load)
+
+    def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
+        """The experts compute on ``load`` times the balanced rows (the busiest rank's step)."""
+        return Local.duration(self, cost, ins, rank) * (self.load if self.role == "experts" else 1.0)
 
     def compute(self, rt: Any, ins: "Instr", inputs: list[Any]) -> list[Any]:
         import torch
@@ -125,6 +130,8 @@ class ExpertStep(Local):
 
         if self.role == "experts":  # what it holds while it runs, at the rows it received
             rt.transient = expert.step_transient(inputs, self.forward, rt.ex.codegen)
+            if self.forward:  # how skewed the routing was, against the plan's load
+                rt.stats.expert_load = max(rt.stats.expert_load, expert.check_load(inputs[1], self.load, self.label))
         acc, overwrite = None, False
         if self.accumulate and rt.grads is not None:  # w_gate, w_up, w_down, in their buffers' dtype
             acc, overwrite = rt.grads.claim(f for _, f in self.grads)

@@ -24,10 +24,12 @@ class _AllToAll(Collective):
         return Kind.ALL_TO_ALL
 
     def allocates(self, node: "Node", sizes: "Sizes") -> list[tuple[str, int, bool]]:
-        """The rows received (balanced routing, ``sim/expert_memory``); the counts and the route: none."""
+        """The rows received (balanced routing times the ``shard`` load on the experts' side,
+        ``sim/expert_memory``); the counts and the route: none."""
         from piper_compile.sim.expert_memory import slot_bytes
 
-        rows = slot_bytes(getattr(self, "shape", ()), getattr(self, "dtype", ""), sizes)
+        load = getattr(self, "load", 1.0) if getattr(self, "role", "") == "dispatch" else 1.0
+        rows = slot_bytes(getattr(self, "shape", ()), getattr(self, "dtype", ""), sizes, load)
         return [(v, rows if k == 0 and rows else 0, False) for k, v in enumerate(node.outputs)]
 
     def start(self, rt: Any, ins: "Instr", pos: int) -> None:
@@ -70,7 +72,9 @@ class ExpertA2A(_AllToAll):
     dtype: str = ""
     mb: int = 0
     forward: bool = True
+    load: float = 1.0  # the busiest rank's rows over balanced routing (``shard``'s load)
 
     def duration(self, cost: "CostModel", ins: "Instr", rank: int) -> float:
+        """The busiest rank's bytes: it receives (dispatch) or sends back (combine) ``load`` times its slots."""
         return cost.collective_time(ins, rank, "all_to_all", len(ins.node.devices),
-                                    cost.tensor_bytes(self.shape, self.dtype or "float32"))
+                                    int(self.load * cost.tensor_bytes(self.shape, self.dtype or "float32")))
