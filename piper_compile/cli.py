@@ -181,7 +181,8 @@ def autoplan(args: argparse.Namespace) -> int:
     network = json.loads(args.network) if args.network.startswith("{") else args.network
     res = piper.autoplan(model, *batch, world_size=args.world_size, memory_mb=args.memory_mb, network=network,
                          flops_per_s=args.flops, top=args.top, schedules=args.schedules, zero_levels=args.zero,
-                         tp_plan=json.loads(args.tp_plan) if args.tp_plan else None, workers=args.workers)
+                         tp_plan=json.loads(args.tp_plan) if args.tp_plan else None, workers=args.workers,
+                         expert_load=args.expert_load)
     print(res)
     if args.json:
         with open(args.json, "w") as f:
@@ -213,6 +214,8 @@ def _add_autoplan_args(a: argparse.ArgumentParser) -> None:
                    "graph each (default: one per core)")
     a.add_argument("--tp-plan", help='search tensor parallelism too: a JSON object of shard_tensor layers, e.g. '
                    '{"blocks.*.qkv": "colwise:3", "blocks.*.proj": "rowwise"}')
+    a.add_argument("--expert-load", type=float, default=1.0, help="MoE models: plan expert parallelism for a "
+                   "router whose busiest rank receives this many times its share (shard's load)")
 
 
 def _add_plan_args(e: argparse.ArgumentParser) -> None:

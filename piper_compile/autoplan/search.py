@@ -107,7 +107,7 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
              schedules: Iterable[str] = tuple(SCHEDULES), zero_levels: Iterable[int] = (0, 1, 2, 3),
              checkpoint: Iterable[str] = CHECKPOINT_POLICIES, tp_plan: dict[str, str] | None = None,
              options: dict[str, Any] | None = None, time_limit_s: float | None = None,
-             workers: int | None = None) -> AutoPlan:
+             workers: int | None = None, expert_load: float = 1.0) -> AutoPlan:
     """Search the strategies piper can build for ``model`` on ``world_size`` ranks and rank them.
 
     ``example_batch``: one *global* batch (dim 0 is split over data-parallel replicas and micro-batches).
@@ -119,19 +119,22 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
     tensor-parallel layers as ``shard_tensor`` takes them (``{"blocks.*.qkv": "colwise:3", ...}``); with it,
     TP degrees are searched too. ``options``: more ``piper.compile`` options every candidate is planned with
     (e.g. ``mixed_precision``). ``workers``: processes planning side by side, one captured graph each
-    (``parallel.py``; default one per core where forking is safe, 1 plans in this process). Returns ``top`` choices (all that fit if ``top`` is None); a budget
+    (``parallel.py``; default one per core where forking is safe, 1 plans in this process).
+    ``expert_load``: an MoE model's expert-parallel candidates are planned with ``shard(load=...)`` (the
+    busiest rank's rows over balanced routing; ``piper.stats(step).expert_load`` measures it). Returns ``top`` choices (all that fit if ``top`` is None); a budget
     nothing fits is a ``piper:`` error naming the closest strategy."""
     from piper_compile.init.deferred import planning
 
     with planning(model, example_batch):  # a model built on the meta device: stand-ins while planning
         return _autoplan(model, example_batch, world_size, memory_mb, network, flops_per_s, cost, optimizer, top,
-                         schedules, zero_levels, checkpoint, tp_plan, options, time_limit_s, workers)
+                         schedules, zero_levels, checkpoint, tp_plan, options, time_limit_s, workers, expert_load)
 
 
 def _autoplan(model: nn.Module, example_batch: tuple[Any, ...], world_size: int, memory_mb: float | None,
               network: Any, flops_per_s: float, cost: Any, optimizer: Any, top: int, schedules: Iterable[str],
               zero_levels: Iterable[int], checkpoint: Iterable[str], tp_plan: dict[str, str] | None,
-              options: dict[str, Any] | None, time_limit_s: float | None, workers: int | None) -> AutoPlan:
+              options: dict[str, Any] | None, time_limit_s: float | None, workers: int | None,
+              expert_load: float = 1.0) -> AutoPlan:
     t0 = time.perf_counter()
     optimizer = optimizer if optimizer is not None else _default_optimizer()
     cost_model = cost if cost is not None else network_cost(network, flops_per_s)
@@ -141,7 +144,7 @@ def _autoplan(model: nn.Module, example_batch: tuple[Any, ...], world_size: int,
                             tuple(zero_levels), tensor_parallel=bool(tp_plan)))
     search = _Search(model, example_batch, world_size, costs, {**(options or {}), "optimizer": optimizer},
                      cost_model, memory_mb, [p for p in CHECKPOINT_POLICIES if p in set(checkpoint)],
-                     dict(tp_plan or {}))
+                     dict(tp_plan or {}), expert_load)
     groups: dict[tuple[int, int], list[tuple[int, Candidate]]] = {}  # one per captured graph
     for i, cand in enumerate(space):
         groups.setdefault(_Search.capture_key(cand), []).append((i, cand))
@@ -229,8 +232,9 @@ class _Search:
 
     def __init__(self, model: nn.Module, batch: tuple[Any, ...], world: int, costs: BlockCosts,
                  options: dict[str, Any], cost: Any, memory_mb: float | None, policies: list[str],
-                 tp_plan: dict[str, str]) -> None:
+                 tp_plan: dict[str, str], expert_load: float = 1.0) -> None:
         self.model, self.batch, self.world, self.costs, self.tp_plan = model, batch, world, costs, tp_plan
+        self.expert_load = expert_load
         self.options, self.optimizer = {k: v for k, v in options.items() if k != "directives"}, options["optimizer"]
         self.cost, self.memory_mb, self.policies = cost, memory_mb, policies
         self.bases: dict[tuple[int, int], tuple[Any, list[tuple[Any, dict[str, Any], int]]]] = {}  # by (dp, tp)
@@ -286,7 +290,7 @@ class _Search:
 
         stages = self.costs.split(c.stages)
         try:
-            directives = c.directives(self.tp_plan)
+            directives = c.directives(self.tp_plan, self.expert_load)
             base = self._base(c, stages, directives)
             opts = {**self.options, "directives": directives}
             cs = CompiledStep(base.gm, [], opts, world=(0, self.world), sources=base.sources)

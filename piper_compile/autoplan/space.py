@@ -67,14 +67,14 @@ class Candidate:
     def tp_groups(self) -> list[list[int]]:
         return [g[j:j + self.tp] for r in range(self.pp) for g in [self.group(r)] for j in range(0, len(g), self.tp)]
 
-    def directives(self, tp_plan: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    def directives(self, tp_plan: dict[str, str] | None = None, expert_load: float = 1.0) -> list[dict[str, Any]]:
         """The strategy as directives (blocks tagged ``PP`` = stage, and ``AC`` = block when checkpointing;
-        ``tp_plan``: the ``shard_tensor`` layers, when ``tp`` > 1)."""
+        ``tp_plan``: the ``shard_tensor`` layers, when ``tp`` > 1; ``expert_load``: ``shard``'s load)."""
         out: list[dict[str, Any]] = [*self._placement(), B.split(self.microbatches), *self._order()]
         if self.dp > 1:
             out.append(B.replicate({STAGE_TAG: "*"} if self.pp > 1 else {}, zero=self.zero, bucket_mb=self.bucket_mb))
         if self.ep:
-            out.append(B.shard({"EP": "*"}))
+            out.append(B.shard({"EP": "*"}, load=expert_load))
         if self.tp > 1:
             if not tp_plan:
                 raise ValueError("piper: internal: a tensor-parallel candidate needs the tp_plan")

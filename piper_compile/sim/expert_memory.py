@@ -6,7 +6,9 @@
   rows a rank receives is known only once the router has run; the plan expects routing balanced: a rank
   receives as many rows as it sends, ``N * k``, spread over its ``E / G`` experts (the busiest one at the
   expected maximum load of uniformly random routing). A model whose router sends one rank more rows than
-  that holds more than the plan says (measured: a rank receiving ~1.5x its balanced rows).
+  that holds more than the plan says (measured: a rank receiving ~1.5x its balanced rows), unless
+  ``shard``'s ``load`` says by how much: the experts' side is then sized at ``load`` times balanced
+  routing (the runtime measures the load and warns above 1.1x the planned one).
   The received rows of the forward stay until the backward reads them again (an activation per layer and
   micro-batch in flight); before this rule the plan counted none of these values.
 - **The experts step while it runs** (``runtime/expert.compute``): the rows regrouped by local expert (a

@@ -134,6 +134,12 @@ def test_expert_parallel_is_searched_for_models_with_experts():
     assert any(c.candidate.ep for c in res.ranked) and any(not c.candidate.ep for c in res.ranked)
     ep = next(c for c in res.ranked if c.candidate.ep)
     assert {"op": "shard", "filter": {"EP": "*"}, "stream": "ep"} in ep.directives
+    # a skewed router, planned for: the same expert-parallel strategy holds more and takes longer
+    skew = piper.autoplan(model, *batch, world_size=2, top=None, schedules=("1f1b",), zero_levels=(0,),
+                          expert_load=1.5)
+    same = next(c for c in skew.ranked if c.candidate == ep.candidate)
+    assert {"op": "shard", "filter": {"EP": "*"}, "stream": "ep", "load": 1.5} in same.directives
+    assert same.max_peak_mb > ep.max_peak_mb and same.step_time > ep.step_time, (same, ep)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
