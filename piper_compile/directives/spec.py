@@ -7,6 +7,7 @@ directive's index and JSON, what is wrong and how to fix it.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -290,7 +291,7 @@ def _parse_shard(i: int, raw: dict) -> Shard:
     devices = _devices(i, raw) if raw.get("devices") is not None else None
     stream = _check_type(i, raw, "stream", (str,), "a string") if raw.get("stream") is not None else "ep"
     load = float(_check_type(i, raw, "load", (int, float), "a number >= 1")) if raw.get("load") is not None else 1.0
-    if not load >= 1.0 or load == float("inf"):
+    if not (math.isfinite(load) and load >= 1.0):
         raise PiperDirectiveError(i, raw, f"field 'load' is the rows the busiest rank receives relative to balanced "
                                   f"routing, so at least 1; got {raw['load']!r}",
                                   "leave it out for balanced routing, or give the measured skew "
