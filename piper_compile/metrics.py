@@ -116,7 +116,8 @@ class StepMetrics:
                 f"MFU {100 * self.mfu:.1f}% of {self.peak_tflops:.1f} ({self.peak_source}) | compute "
                 f"{self.compute_s * 1e3:.1f} ms, update {self.update_s * 1e3:.1f} ms, exposed comm "
                 f"{self.exposed_comm_s * 1e3:.1f} ms, waiting {self.wait_s * 1e3:.1f} ms, other "
-                f"{self.other_s * 1e3:.1f} ms | peak mem {self.peak_memory_bytes / 2**20:.1f} MiB")
+                f"{self.other_s * 1e3:.1f} ms | peak mem {self.peak_memory_bytes / 2**20:.1f} MiB"
+                + (f" | expert load {self.expert_load:.2f}x" if self.expert_load else ""))
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:

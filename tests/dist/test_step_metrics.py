@@ -45,4 +45,6 @@ def test_ep2_flops_add_up_to_one_rank_on_the_global_batch():
     # so the busiest micro-batch's loads (rows over balanced routing's) add up to at least 2, each at most 2
     loads = [r["metrics"].expert_load for r in res]
     assert all(0 < x <= 2 for x in loads) and sum(loads) >= 2 - 1e-9, loads
-    assert piper_worker(0, 1, one)["metrics"].expert_load == 0.0
+    assert all(f"expert load {x:.2f}x" in r["metrics"].line() for x, r in zip(loads, res))
+    alone = piper_worker(0, 1, one)["metrics"]
+    assert alone.expert_load == 0.0 and "expert load" not in alone.line()
