@@ -72,18 +72,18 @@ def run_files(files: list[str], out: Path, timeout: int, jobs: int) -> list[Row]
     (Dynamo, Inductor, Triton) and the ranks' processes starting, so on a many-core GPU machine the files
     overlap well; none measures time, and each measures memory in its own processes. A run still going at
     the deadline is stopped (its whole process group) and reported with the cases that ended."""
-    deadline = time.perf_counter() + timeout
+    deadline, jobs = time.perf_counter() + timeout, max(1, jobs)
     waiting, running, done = list(files), {}, {}
     while waiting or running:
-        while waiting and len(running) < max(1, jobs):
+        while waiting and len(running) < jobs:
             f = waiting.pop(0)
-            running[f] = _start([f], out, Path(f).stem, max(1, jobs))
+            running[f] = _start([f], out, Path(f).stem, jobs)
         for f, (proc, xml, log, t0) in list(running.items()):
             stopped = proc.poll() is None and time.perf_counter() > deadline
-            if proc.poll() is None and not stopped:
-                continue
             if stopped:
                 os.killpg(proc.pid, signal.SIGKILL)
+            elif proc.returncode is None:
+                continue
             code = proc.wait()
             done[f] = _rows(Path(f).stem, xml, log, None if stopped else code, time.perf_counter() - t0, timeout)
             del running[f]

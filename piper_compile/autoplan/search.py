@@ -121,8 +121,9 @@ def autoplan(model: nn.Module, *example_batch: Any, world_size: int, memory_mb: 
     (e.g. ``mixed_precision``). ``workers``: processes planning side by side, one captured graph each
     (``parallel.py``; default one per core where forking is safe, 1 plans in this process).
     ``expert_load``: an MoE model's expert-parallel candidates are planned with ``shard(load=...)`` (the
-    busiest rank's rows over balanced routing; ``piper.stats(step).expert_load`` measures it). Returns ``top`` choices (all that fit if ``top`` is None); a budget
-    nothing fits is a ``piper:`` error naming the closest strategy."""
+    busiest rank's rows over balanced routing; ``piper.stats(step).expert_load`` measures it). Returns
+    ``top`` choices (all that fit if ``top`` is None); a budget nothing fits is a ``piper:`` error naming the
+    closest strategy."""
     from piper_compile.init.deferred import planning
 
     with planning(model, example_batch):  # a model built on the meta device: stand-ins while planning
@@ -134,7 +135,7 @@ def _autoplan(model: nn.Module, example_batch: tuple[Any, ...], world_size: int,
               network: Any, flops_per_s: float, cost: Any, optimizer: Any, top: int, schedules: Iterable[str],
               zero_levels: Iterable[int], checkpoint: Iterable[str], tp_plan: dict[str, str] | None,
               options: dict[str, Any] | None, time_limit_s: float | None, workers: int | None,
-              expert_load: float = 1.0) -> AutoPlan:
+              expert_load: float) -> AutoPlan:
     t0 = time.perf_counter()
     optimizer = optimizer if optimizer is not None else _default_optimizer()
     cost_model = cost if cost is not None else network_cost(network, flops_per_s)
@@ -232,7 +233,7 @@ class _Search:
 
     def __init__(self, model: nn.Module, batch: tuple[Any, ...], world: int, costs: BlockCosts,
                  options: dict[str, Any], cost: Any, memory_mb: float | None, policies: list[str],
-                 tp_plan: dict[str, str], expert_load: float = 1.0) -> None:
+                 tp_plan: dict[str, str], expert_load: float) -> None:
         self.model, self.batch, self.world, self.costs, self.tp_plan = model, batch, world, costs, tp_plan
         self.expert_load = expert_load
         self.options, self.optimizer = {k: v for k, v in options.items() if k != "directives"}, options["optimizer"]

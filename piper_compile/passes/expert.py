@@ -129,19 +129,23 @@ def lower_expert_parallel(dag: TrainingDAG, ctx: PassContext) -> TrainingDAG:
             rows = (tuple(shape), dtype)
         chain = _forward_chain(n, args, weights, experts, rows) if forward else \
             _backward_chain(ctx, n, args, weights, experts, rows, fwd_of)
-        _chain(dag, n, group, [(role, i, o, _loaded(op, n, group)) for role, i, o, op in chain])
+        load = _load(n, group)
+        _chain(dag, n, group, [(role, i, o, dataclasses.replace(op, load=load)  # type: ignore[type-var]
+                                if load != 1.0 and isinstance(op, (ExpertA2A, ExpertStep)) else op)
+                               for role, i, o, op in chain])
     return dag
 
 
-def _loaded(op: Op, n: Node, group: tuple[int, ...]) -> Op:
-    """``op`` with the ``shard`` directive's ``load`` (the busiest rank's rows over balanced routing)."""
+def _load(n: Node, group: tuple[int, ...]) -> float:
+    """The ``shard`` directive's ``load`` (the busiest rank's rows over balanced routing), at most what the
+    group can send one rank."""
     load = n.attr("ep_load") or 1.0
     if load > len(group):
         raise PiperDirectiveError(n.attr("ep_by"), {"shard": n.name},
                                   f"load {load} is more rows than a rank can receive: the {len(group)} ranks "
                                   f"{list(group)} send at most {len(group)}x balanced routing's rows to one rank",
                                   f"give a load between 1 and {len(group)}")
-    return dataclasses.replace(op, load=load) if hasattr(op, "load") and load != 1.0 else op  # type: ignore[arg-type]
+    return load
 
 
 def _forward_chain(n: Node, args: dict[int, str], weights: tuple[str, ...], experts: int,

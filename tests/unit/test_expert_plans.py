@@ -9,7 +9,7 @@ import piper_compile as piper
 from piper_compile.errors import PiperDirectiveError
 from piper_compile.ir.dag import Kind
 from piper_compile.ir.meta import ExpertShard
-from piper_compile.ir.ops import ExpertA2A, ExpertCounts, GradReduce, Segment
+from piper_compile.ir.ops import ExpertA2A, ExpertCounts, ExpertStep, GradReduce, Segment
 from piper_compile.sim.shapes import Sizes
 from piper_compile.sim.simulate import simulate_plan
 from piper_compile.testing.models import build_model
@@ -19,6 +19,15 @@ def _plan(directives: list, world: int = 2, model: str = "moe", **kw: object) ->
     m = build_model(model, 0, **kw)
     batch = m.make_batch(4, torch.Generator().manual_seed(0))  # type: ignore[operator]
     return piper.plan(m, *batch, directives=directives, world_size=world)
+
+
+def _a2a_costs(p: piper.StaticPlan) -> dict[str, float]:
+    """Rank 0's all-to-alls (counts exchanges included) -> their time at 1 GB/s without latency."""
+    from piper_compile.sim.cost import FlopCost
+
+    cost = FlopCost(bytes_per_s=1e9, latency_s=0.0)
+    cost.bind(p.dag)
+    return {ins.node.name: cost.duration(ins, 0) for ins in p.programs[0].instrs if ins.node.kind is Kind.ALL_TO_ALL}
 
 
 def test_ep_chain_per_microbatch_and_no_reduction_of_expert_shards():
@@ -53,16 +62,14 @@ def test_ep_plan_simulates_and_costs_the_routed_rows():
 
     p = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0})], world=4)
     assert simulate_plan(p).step_time > 0
-    cost = FlopCost(bytes_per_s=1e9, latency_s=0.0)
-    cost.bind(p.dag)
-    a2a = [i for i in p.programs[0].instrs if i.node.kind is Kind.ALL_TO_ALL]
     rows_bytes = 2 * 8 * 2 * 16 * 4
-    for ins in a2a:
+    costs = _a2a_costs(p)
+    for ins in p.programs[0].instrs:
         if isinstance(ins.node.op, ExpertCounts):  # a few integers: latency only
-            assert cost.duration(ins, 0) < 0.01 * 0.75 * rows_bytes / 1e9
-        else:
-            assert cost.duration(ins, 0) == pytest.approx(0.75 * rows_bytes / 1e9)
-    assert sum(isinstance(ins.node.op, ExpertCounts) for ins in a2a) == 2  # one per forward micro-batch
+            assert costs[ins.node.name] < 0.01 * 0.75 * rows_bytes / 1e9
+        elif isinstance(ins.node.op, ExpertA2A):
+            assert costs[ins.node.name] == pytest.approx(0.75 * rows_bytes / 1e9)
+    assert sum(isinstance(op, ExpertCounts) for op in (i.node.op for i in p.programs[0].instrs)) == 2  # one per forward mb
 
 
 def test_single_rank_shard_keeps_the_op():
@@ -91,14 +98,6 @@ def test_shard_devices_outside_world():
         _plan([piper.replicate(), piper.shard({"EP": 0}, devices=[0, 7])])
 
 
-def _a2a_costs(p: piper.StaticPlan) -> dict[str, float]:
-    from piper_compile.sim.cost import FlopCost
-
-    cost = FlopCost(bytes_per_s=1e9, latency_s=0.0)
-    cost.bind(p.dag)
-    return {ins.node.name: cost.duration(ins, 0) for ins in p.programs[0].instrs if isinstance(ins.node.op, ExpertA2A)}
-
-
 def test_a_load_sizes_the_rows_an_experts_rank_receives_and_their_time():
     """``shard(load=1.5)``: the busiest rank receives 1.5x balanced routing's rows. The plan holds 1.5x the
     dispatched rows (forward and backward) and the experts' outputs, keeps the combined rows (each token's
@@ -106,25 +105,25 @@ def test_a_load_sizes_the_rows_an_experts_rank_receives_and_their_time():
     charges the all-to-alls and the experts step 1.5x."""
     base = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0})])
     skew = _plan([piper.split(2), piper.replicate(), piper.shard({"EP": 0}, load=1.5)])
-    held = {}
+    held = {}  # node -> (bytes of its first output, what it holds while it runs)
     for name, p in (("base", base), ("skew", skew)):
         sizes = Sizes.from_dag(p.dag)
-        held[name] = {(n.op.NAME, getattr(n.op, "role", ""), n.tag("PASS"), n.op.mb if hasattr(n.op, "mb") else 0,
-                       n.name): (n.op.allocates(n, sizes)[0][1], n.op.transient(n, sizes))
-                      for n in p.dag.nodes.values() if n.op.NAME in ("expert_a2a", "expert_step")}
+        held[name] = {n.name: (n.op.allocates(n, sizes)[0][1], n.op.transient(n, sizes))
+                      for n in p.dag.nodes.values() if isinstance(n.op, (ExpertA2A, ExpertStep))}
     assert held["base"].keys() == held["skew"].keys()
-    for key, (rows, transient) in held["base"].items():
-        name, role = key[:2]
-        scaled = role == "dispatch" or (name == "expert_step" and role == "experts")
-        assert rows > 0 and held["skew"][key][0] == (int(1.5 * rows) if scaled else rows), key
+    for node, (rows, transient) in held["base"].items():
+        role = base.dag.nodes[node].op.role
+        scaled = role in ("dispatch", "experts")  # what the experts' side receives and computes on
+        assert rows > 0 and held["skew"][node][0] == (int(1.5 * rows) if scaled else rows), node
         if role == "experts":
-            assert held["skew"][key][1] > transient > 0, key
+            assert held["skew"][node][1] > transient > 0, node
     b, s = base.memory[0].figures, skew.memory[0].figures
     assert s.peak_activations > b.peak_activations and s.peak_held > b.peak_held
     cb, cs = _a2a_costs(base), _a2a_costs(skew)
     assert set(cb) == set(cs)
-    for name in cb:
-        assert cs[name] == pytest.approx(1.5 * cb[name], rel=1e-6), name
+    for name in cb:  # the rows' all-to-alls 1.5x; the counts exchange (a few integers) as it was
+        factor = 1.5 if isinstance(skew.dag.nodes[name].op, ExpertA2A) else 1.0
+        assert cs[name] == pytest.approx(factor * cb[name], rel=1e-6), name
     steps = {n.name: n.op for n in skew.dag.of_kind(Kind.COMPUTE) if n.op.NAME == "expert_step"}
     assert steps and all(op.load == 1.5 for op in steps.values())
     assert all(n.op.load == 1.5 for n in skew.dag.of_kind(Kind.ALL_TO_ALL) if isinstance(n.op, ExpertA2A))
