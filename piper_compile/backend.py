@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import fx
 
-from piper_compile.callmode import training
+from piper_compile.callmode import trained_loss, training
 from piper_compile.runtime import local_call
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import accumulate, warmup
-from piper_compile.recompiles import graph_key, recompile_reason, say_recompile
+from piper_compile.recompiles import compiling_version, graph_key, say_recompile
+from piper_compile.capture.frame_versions import calling_module, release_with
 from piper_compile.codegen.compile import CompiledSegment, precompile
 from piper_compile.directives.spec import (
     Checkpoint, Replicate, activation_window, checkpoint_of, filter_matches, split_backward_filters,
@@ -90,19 +91,6 @@ class Blueprint:
         return call_layout(self.dag, self.world)
 
 
-class _NoopBackward(torch.autograd.Function):
-    """Lets ``loss.backward()`` on the returned loss run and do nothing (the step already did it)."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
-        return None, None
-
-
-_ANCHOR = torch.zeros((), requires_grad=True)
 _NULL = contextlib.nullcontext()
 _TRAINING_CALLS = itertools.count(1)  # orders the training calls of every compiled variant (trained_step)
 
@@ -122,6 +110,7 @@ class CompiledStep:
         # Read during Dynamo's compile (the backend call): its grapharg metadata is gone afterwards.
         self.sources = sources if sources is not None else source_names(gm)
         self.example_inputs = list(example_inputs)
+        self._first_inputs = self.example_inputs  # also in Dynamo's wrapper of this step (a copy of __dict__)
         self.raw_options = options
         self._options: Options | None = None
         self.joint: JointGraph | None = None
@@ -208,7 +197,7 @@ class CompiledStep:
                              "local shapes; an op it does not check failed on them: write -1 for a split dimension "
                              "(view(b, t, -1, head_dim)) and split fused outputs with chunk()") from e
         self._cut()
-        self.example_inputs = []  # drop references to the first batch
+        self._drop_inputs()
 
     def share_capture(self, other: "CompiledStep", cuts: dict[Any, Any] | None = None, key: Any = None) -> None:
         """Plan on ``other``'s captured joint graph instead of capturing again: for steps of one model and
@@ -229,6 +218,12 @@ class CompiledStep:
                 cuts[k] = self._cut_segments()
             self.segments = cuts[k]
             self._new_state()
+        self._drop_inputs()
+
+    def _drop_inputs(self) -> None:
+        """Drop the references to the first call's parameters and batch, the one Dynamo's wrapper of the
+        step shares included (it copied the step's ``__dict__``: the same list, cleared in place)."""
+        self._first_inputs.clear()
         self.example_inputs = []
 
     def cut_inputs(self) -> str:
@@ -411,7 +406,17 @@ class CompiledStep:
     def _is_mine(self, args: tuple[Any, ...]) -> bool:
         assert self.joint is not None
         own = {**self.joint.params, **self.joint.buffers}
-        return all(args[s.arg_index] is own[s.name] for s in self._slots())
+        return all(args[s.arg_index] is own.get(s.name) for s in self._slots())
+
+    def release(self) -> None:
+        """The model this step was compiled for is gone (``capture/frame_versions.release_with``): drop its
+        tensors and training state, which Dynamo's compiled version of the frame keeps alive otherwise (a
+        sweep compiling model after model kept every one). Steps bound to other models keep theirs."""
+        self._drop_inputs()
+        self.plans.clear()  # in place: Dynamo's wrapper shares the dict
+        self.state, self._local = None, None
+        if self.joint is not None:
+            self.joint = dataclasses.replace(self.joint, params={}, buffers={})
 
     def _clone_for(self, args: tuple[Any, ...]) -> "CompiledStep":
         assert self.joint is not None
@@ -425,6 +430,9 @@ class CompiledStep:
         other.state = state_for(params, self.options.optimizer, self.link and self.link.module())
         other.state.adopt_precision(self.options.precision)
         other.state.steps.append(other)
+        owner = calling_module(list(params.values()))  # the model this call is for: release its state with it
+        if owner is not None:
+            release_with(owner, other)
         return other
 
     # -- running -------------------------------------------------------------------------------
@@ -481,7 +489,7 @@ class CompiledStep:
         if train:
             self.last_trained = next(_TRAINING_CALLS)
             self._log_stats()
-            loss = _NoopBackward.apply(loss, _ANCHOR)
+            loss = trained_loss(loss)
         return (loss,)
 
     def _run(self, executor: Any, args: list[Any], check: CallCheck, train: bool) -> torch.Tensor:
@@ -563,7 +571,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
     """The ``torch_dynamo_backends`` entry point ``piper``."""
     if kwargs:
         raise PiperError(f"piper: unexpected backend arguments {sorted(kwargs)}; pass settings in options={{...}}")
-    reason = recompile_reason()
+    version, reason = compiling_version()
     key = graph_key(gm, example_inputs, options)
     prior = _SAME_GRAPH.get(key)
     if reason is not None and prior is not None and prior.joint is not None and prior.raw_options is options:
@@ -574,6 +582,8 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
         say_recompile(reason, reused=False)
     step = CompiledStep(gm, example_inputs, options)
     step.recompile_reason = reason
+    if version is not None and version.owner is not None:
+        release_with(version.owner, step)
     warmup.start_for(example_inputs, lambda: step.options.codegen)  # overlaps the first call's capture
     _SAME_GRAPH[key] = step
     return step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -38,3 +38,23 @@ def wants_forward_only() -> bool:
 def training() -> bool:
     """This call of a compiled step trains (else it runs the forward-only plan)."""
     return torch.is_grad_enabled() and not _FORWARD_ONLY.get()
+
+
+class _NoopBackward(torch.autograd.Function):
+    """Lets ``loss.backward()`` on the returned loss run and do nothing (the step already did it)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+        return None, None
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+def trained_loss(loss: torch.Tensor) -> torch.Tensor:
+    """What a training call returns: the loss, whose ``backward()`` is accepted and does nothing more."""
+    return _NoopBackward.apply(loss, _ANCHOR)

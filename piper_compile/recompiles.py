@@ -24,7 +24,7 @@ def graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tu
     return (id(options), graph_code(gm), tuple(sig(t) for t in example_inputs), torch.is_grad_enabled())
 
 
-_GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # Dynamo frame -> grad modes it has a version for
+_GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # (Dynamo frame, model) -> grad modes it has a version for
 _FAILED: contextvars.ContextVar[str | None] = contextvars.ContextVar("piper_failed_guard", default=None)
 
 
@@ -39,20 +39,37 @@ def after_failed_guard(guard: str) -> Iterator[None]:
         _FAILED.reset(token)
 
 
-def recompile_reason() -> str | None:
+def compiling_version() -> tuple[Any, str | None]:
+    """The version of the frame Dynamo is compiling for piper (``capture/frame_versions.Version``, None
+    where unknown) and, when it is a recompile, its reason (:func:`recompile_reason`). A model past its
+    versions is refused with the recompile-limit error: Dynamo would run its forward eagerly."""
+    from piper_compile.capture.dynamo import limit_message
+    from piper_compile.capture.frame_versions import count_version
+    from piper_compile.errors import PiperCaptureError
+
+    version = count_version()
+    reason = recompile_reason(version is not None and version.first, version and version.owner)
+    if version is not None and version.over_limit:
+        raise PiperCaptureError(limit_message(version.limit, reason and guard_text(reason)))
+    return version, reason
+
+
+def recompile_reason(first: bool = False, owner: object = None) -> str | None:
     """When Dynamo compiles this frame again: the guard that failed, said once on stderr (a switch between
     training and ``torch.no_grad`` calls is expected and not reported). Read from Dynamo's metrics context
-    (private: None where this torch has no such record)."""
+    (private: None where this torch has no such record). ``first``: the first version of the frame for
+    ``owner``, the model it is compiled for (``capture/frame_versions.py``): Dynamo's reason then names
+    another model's version, and this one is no recompile."""
     try:
         from torch._dynamo.utils import get_metrics_context
 
         metrics = get_metrics_context()._metrics  # noqa: SLF001
         reason = metrics.get("recompile_reason")
-        frame = (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"))
+        frame = (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"), id(owner))
     except Exception:  # noqa: BLE001 - another torch version: no report
         return None
     grad = torch.is_grad_enabled()
-    if not reason:  # the frame's first version (since a torch._dynamo.reset())
+    if not reason or first:  # the frame's first version (since a torch._dynamo.reset()) for this model
         _GRAD_MODES[frame] = {grad}
         return _FAILED.get()
     seen = _GRAD_MODES.setdefault(frame, set())
@@ -70,11 +87,16 @@ def last_guard() -> str | None:
     return _LAST[-1] if _LAST else None
 
 
+def guard_text(reason: str) -> str:
+    """Dynamo's recompile reason in one line: the guard that failed."""
+    if "grad_mode" in reason:  # Dynamo names the first failing guard of its newest version only
+        return "a guard failed (TORCH_LOGS=recompiles names it)"
+    return f"a guard failed: {' '.join(reason.split(chr(10))[0].split())}"
+
+
 def say_recompile(reason: str, reused: bool) -> None:
     """The one line a recompile prints: the guard that failed, and what piper does about it."""
-    grad_mode = "grad_mode" in reason  # Dynamo names the first failing guard of its newest version only
-    what = ("a guard failed (TORCH_LOGS=recompiles names it)" if grad_mode else
-            f"a guard failed: {' '.join(reason.split(chr(10))[0].split())}")
+    what = guard_text(reason)
     _LAST[:] = [what]
     then = ("Dynamo traced the same graph again, so piper reuses its capture, plan and compiled segments (only "
             "Dynamo's trace was repeated)" if reused else

@@ -3,12 +3,12 @@
 tensors and ``model.load_state_dict(full)`` updates the shards."""
 from __future__ import annotations
 
-import sys
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from piper_compile.capture.frame_versions import calling_module
 from piper_compile.checkpoint.layout import HOOKS_OFF, ctx_of, groups_of
 from piper_compile.checkpoint.state_dict import full_buffers, full_values
 from piper_compile.runtime import state as _state_mod
@@ -167,26 +167,10 @@ def _nothing(*_: Any) -> None:
     return None
 
 
-def _caller_module(st: Any) -> nn.Module | None:
-    """The module whose compiled forward is making this call: the innermost calling frame whose ``self``
-    is an nn.Module holding every parameter of the state (Dynamo runs the compiled forward in the
-    module's own frame)."""
-    ids = {id(p) for p in st.params}
-    f = sys._getframe(1)
-    for _ in range(24):
-        if f is None:
-            break
-        m = f.f_locals.get("self") if "self" in f.f_code.co_varnames else None
-        if isinstance(m, nn.Module) and ids <= {id(p) for p in m.parameters()}:
-            return m
-        f = f.f_back
-    return None
-
-
 def _on_sharded(st: Any, cs: Any) -> None:
     if ((st.zero is not None and st.zero.buckets) or st.released or st.released_buffers) and not st.hooks_installed:
         link = getattr(cs, "link", None)  # piper.compile: the module itself; torch.compile: its frame
-        module = link.module() if link is not None and link.module() is not None else _caller_module(st)
+        module = link.module() if link is not None and link.module() is not None else calling_module(st.params)
         if module is not None:
             install_hooks(st, module)
 

@@ -1,0 +1,141 @@
+"""Dynamo's compiled versions of the frames piper compiles: a piper step never runs eagerly.
+
+Dynamo keeps the versions it compiles for a frame on the frame's code object, at most
+``torch._dynamo.config.recompile_limit`` (8) of them, and past the limit runs the frame eagerly (unless
+``fullgraph=True``). Every ``torch.compile(model, backend="piper", options=...)`` is a new backend, so each
+model of one class adds a version to the class's ``forward``: the ninth model compiled in a process ran
+its forward eagerly, i.e. it trained nothing (no optimizer step, no gradient reduction), silently, with
+only Dynamo's warning. A plain ``torch.compile`` (Inductor) falls back to the same numbers; a piper step
+cannot.
+
+So piper counts the versions itself, per model (the frame's ``self``, the module whose forward Dynamo
+compiles; per code object for a frame that is no module's method):
+
+- a model's first version of a frame is not a recompile (Dynamo's reason then names another model's
+  version: a different backend), so nothing is reported;
+- a model gets the limit's worth of versions of its own: past them piper refuses with the recompile-limit
+  error ``fullgraph=True`` gives (``capture/dynamo.limit_message``), never an eager run;
+- Dynamo's own limits (``recompile_limit``, ``accumulated_recompile_limit``) are kept above the versions the
+  frame holds, so Dynamo never reaches its eager fallback on a piper frame. They are process-wide: other
+  compiled functions then also get that many versions before Dynamo runs them eagerly (only slower, never
+  other numbers). The limit piper counts a model's versions against is the user's (the value the config
+  had when piper last found it changed by someone else).
+"""
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch._dynamo import config as dynamo_config
+
+# owner module -> code object -> versions piper compiled; code objects of frames without a module owner
+_BY_OWNER: "weakref.WeakKeyDictionary[nn.Module, dict[types.CodeType, int]]" = weakref.WeakKeyDictionary()
+_BY_CODE: "weakref.WeakKeyDictionary[types.CodeType, int]" = weakref.WeakKeyDictionary()
+_LIMITS = {"recompile_limit": [0, 0], "accumulated_recompile_limit": [0, 0]}  # name -> [user's, last piper set]
+
+
+@dataclass(frozen=True)
+class Version:
+    """The version of a frame Dynamo is compiling now, for its owner."""
+
+    owner: nn.Module | None
+    number: int  # 1: the owner's first version of this frame
+    limit: int  # the user's recompile_limit
+
+    @property
+    def first(self) -> bool:
+        return self.number == 1
+
+    @property
+    def over_limit(self) -> bool:
+        return self.number > self.limit
+
+
+def compiling() -> tuple[types.CodeType, nn.Module | None] | None:
+    """The code object of the frame Dynamo is compiling, and the module it is a method of (the frame's
+    first argument, where that is an nn.Module); None outside a Dynamo compile or where this torch's
+    translator does not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        code, f_locals = tx.f_code, tx.f_locals
+    except Exception:  # noqa: BLE001 - private API of another torch version, or no compile under way
+        return None
+    first = code.co_varnames[0] if code.co_argcount else None
+    owner = f_locals.get(first) if first is not None else None
+    return code, owner if isinstance(owner, nn.Module) else None
+
+
+def count_version() -> Version | None:
+    """Count the version Dynamo is compiling now (called once per backend call) and keep Dynamo's limits
+    above the versions its frame will hold; None where the frame is unknown (nothing is counted)."""
+    frame = compiling()
+    if frame is None:
+        return None
+    code, owner = frame
+    counts = _BY_OWNER.setdefault(owner, {}) if owner is not None else None
+    number = (counts.get(code, 0) if counts is not None else _BY_CODE.get(code, 0)) + 1
+    if counts is not None:
+        counts[code] = number
+    else:
+        _BY_CODE[code] = number
+    limit = _user_limit("recompile_limit")
+    _keep_above(code)
+    return Version(owner, number, limit)
+
+
+def _user_limit(name: str) -> int:
+    """The limit as the user set it: the config's value unless it is the one piper wrote last."""
+    now = int(getattr(dynamo_config, name))
+    seen = _LIMITS[name]
+    if now != seen[1]:
+        seen[0] = now
+    return seen[0]
+
+
+def _keep_above(code: types.CodeType) -> None:
+    """Room in Dynamo's limits for one more version of ``code`` after the one compiling now."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._guards import CompileContext
+
+    held = len(_debug_get_cache_entry_list(code)) + 1  # with the version compiling now
+    compile_id = CompileContext.current_compile_id()
+    frame_id = compile_id.frame_compile_id if compile_id is not None and compile_id.frame_compile_id is not None else 0
+    for name, need in (("recompile_limit", held + 1), ("accumulated_recompile_limit", max(held, frame_id + 1) + 1)):
+        _user_limit(name)
+        if int(getattr(dynamo_config, name)) < need:
+            setattr(dynamo_config, name, need)
+            _LIMITS[name][1] = need
+
+
+def calling_module(params: list[Any]) -> nn.Module | None:
+    """The module whose compiled forward is making this call: the innermost calling frame whose ``self``
+    is an nn.Module holding every one of ``params`` (Dynamo runs the compiled forward in the module's own
+    frame)."""
+    ids = {id(p) for p in params}
+    f = sys._getframe(1)
+    for _ in range(24):
+        if f is None:
+            break
+        m = f.f_locals.get("self") if "self" in f.f_code.co_varnames else None
+        if isinstance(m, nn.Module) and ids <= {id(p) for p in m.parameters()}:
+            return m
+        f = f.f_back
+    return None
+
+
+def release_with(owner: nn.Module, step: Any) -> None:
+    """When ``owner`` is garbage-collected, ``step.release()``: Dynamo keeps the compiled version of a
+    class's ``forward`` (and with it the step, its parameters and optimizer state) as long as the class."""
+    weakref.finalize(owner, _release, weakref.ref(step))
+
+
+def _release(ref: "weakref.ref[Any]") -> None:
+    step = ref()
+    if step is not None:
+        step.release()

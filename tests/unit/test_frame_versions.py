@@ -1,0 +1,162 @@
+"""``torch.compile(model, backend="piper")`` never runs a model's forward eagerly (``capture/frame_versions.py``).
+
+Dynamo keeps at most ``recompile_limit`` (8) versions of a frame per code object, counted together for
+every model of a class (each ``torch.compile`` is a new backend), and past that runs the forward eagerly:
+for piper, a step that trains nothing. Before the fix the ninth model of a class compiled in one process
+silently kept its initial weights."""
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+class _Net(nn.Module):
+    """A class of its own: its ``forward`` code object holds only this file's versions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.k = 1
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.b(torch.relu(self.a(x))) * self.k - y).square().mean()
+
+
+class _Other(_Net):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # another code object
+        return (self.b(torch.relu(self.a(x))) * self.k - y).square().mean()
+
+
+@pytest.fixture
+def limits():
+    """Dynamo's limits as a fresh process has them, restored afterwards (piper raises them)."""
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        yield
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _eager_step(ref: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    ref(x, y).backward()
+    opt.step()
+
+
+def test_every_model_of_a_class_trains_like_eager_past_dynamos_limit(limits):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for i in range(11):  # models 9-11 ran eagerly and kept their initial weights before
+            torch.manual_seed(i)
+            model = _Net()
+            ref = copy.deepcopy(model)
+            opt = SGD(ref.parameters())
+            step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
+            for s in range(2):
+                x, y = _batch(s)
+                loss = step(x, y)
+                ref_loss = ref(x, y)
+                _eager_step(ref, opt, x, y)
+                torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=0, atol=0)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"model {i}")
+    recompiles = [str(w.message) for w in said if "compiles the piper step again" in str(w.message)]
+    assert recompiles == [], recompiles[:1]  # a new model's first version is no recompile
+
+
+def test_a_model_past_its_versions_is_refused_not_run_eagerly(limits):
+    model = _Other()
+    step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
+    x, y = _batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each new k is a reported recompile
+        for k in range(1, 9):  # an int attribute Dynamo guards on: a version per value
+            model.k = k
+            before = model.a.weight.detach().clone()
+            step(x, y)
+            assert not torch.equal(before, model.a.weight), f"version {k} did not train"
+        model.k = 9
+        before = model.a.weight.detach().clone()
+        with pytest.raises(Exception, match=r"piper: Dynamo has compiled this model's step 8 times") as e:
+            step(x, y)
+    assert "k == 8" in str(e.value)  # names the guard that failed
+    assert torch.equal(before, model.a.weight)
+
+
+def test_the_users_own_limit_counts(limits):
+    class Net(_Net):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return (self.a(x).sum(-1, keepdim=True) * self.k - y).square().mean()
+
+    torch._dynamo.config.recompile_limit = 2
+    model = Net()
+    step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
+    x, y = _batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(x, y)
+        model.k = 2
+        step(x, y)
+        model.k = 3
+        with pytest.raises(Exception, match=r"compiled this model's step 2 times"):
+            step(x, y)
+
+
+def test_a_dropped_model_frees_its_parameters_and_state(limits):
+    """Dynamo keeps a class's compiled versions, each holding its piper step, as long as the class: the
+    step lets go of the model's tensors and training state when the model is garbage-collected."""
+    import gc
+    import weakref
+
+    class Net(_Net):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return (self.b(self.a(x)) - y).square().mean()
+
+    def train_one(seed: int) -> list[weakref.ref]:
+        torch.manual_seed(seed)
+        model = Net()
+        step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
+        step(*_batch(0))
+        return [weakref.ref(p) for p in model.parameters()]
+
+    held = [train_one(i) for i in range(3)]
+    gc.collect()
+    assert [sum(r() is not None for r in refs) for refs in held] == [0, 0, 0]
+
+
+def test_a_step_shared_by_two_models_trains_the_survivor_like_eager(limits):
+    """One compiled function called with two models: each gets its own training state (``bind``). The
+    first model's release when it goes leaves the second one's state (momentum) as it was."""
+    import gc
+
+    momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+    def train_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model(x, y)
+
+    step = torch.compile(train_fn, backend="piper", options={"codegen": "eager", "optimizer": momentum})
+    torch.manual_seed(0)
+    first, second = _Net(), _Net()
+    ref = copy.deepcopy(second)
+    opt = momentum(ref.parameters())
+    x, y = _batch(0)
+    step(first, x, y)
+    for s in range(4):
+        if s == 1:
+            del first
+            gc.collect()
+        loss = step(second, x, y)
+        ref_loss = ref(x, y)
+        _eager_step(ref, opt, x, y)
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)  # fp32 rounding of the updates
+    for p, q in zip(second.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
