@@ -30,7 +30,7 @@ class PiperDirectiveError(PiperError, ValueError):
             text = repr(directive)
         self.index = index
         self.directive = directive
-        super().__init__(f"piper: {where} {text}: {problem}. Fix: {fix}")
+        super().__init__(f"piper: {where} {text}: {problem.rstrip('.')}. Fix: {fix}")
 
 
 class PiperCaptureError(PiperError):

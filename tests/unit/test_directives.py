@@ -23,7 +23,7 @@ def _error(directive: Any, index: int = 1) -> str:
     msg = str(ei.value)
     assert msg.startswith("piper:"), msg
     assert f"directive #{index} " in msg, msg
-    assert "Fix:" in msg, msg
+    assert "Fix:" in msg and ".. Fix:" not in msg, msg
     assert ei.value.index == index
     return msg
 
