@@ -202,7 +202,36 @@ def _largest(peaks: dict[int, float], budget: float) -> str:
     return str(max(fits)) if fits else f"none (smallest tried {min(peaks)} needs {peaks[min(peaks)]:.1f} MiB)"
 
 
-def main() -> None:
+def _details(ours: list[RankResult] | None, theirs: list[RankResult]) -> None:
+    """Per-rank figures of both sides, and the loss check."""
+    print("\n== details (per rank; tensor MiB: see zero_common.py)")
+    for name, ranks in (("piper", ours), ("peer", theirs)):
+        if ranks is None:
+            continue
+        s = Summary.of(ranks)
+        print(f"  {name}: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} cpu {s.cpu_ms:.1f} ms, first step "
+              f"{s.first_s:.1f} s, RSS/rank {fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB")
+        for r, rr in enumerate(ranks):
+            print(f"    {name} rank {r} (stage {r % STAGES}): {rr.extra}")
+    if ours is not None:
+        compare_losses("global mean loss piper vs peer", ours[0].losses, theirs[0].losses)
+
+
+def _print_sweep(ours: list[RankResult] | None, theirs: list[RankResult], sizes: list[int], m: int,
+                 budget_mib: float, err: str) -> None:
+    """The tensor peak by micro-batch size, and the largest micro-batch that fits the budget."""
+    pk_ours, pk_theirs = _sweep_max(ours, sizes), _sweep_max(theirs, sizes)
+    print(f"tensor peak per rank (MiB, max over ranks) by micro-batch size (local batch = size x {m}):")
+    print("  size        " + "".join(f"{s:>9}" for s in sizes))
+    if pk_ours:
+        print("  piper       " + "".join(f"{pk_ours[s]:>9.1f}" for s in sizes))
+    print("  peer        " + "".join(f"{pk_theirs[s]:>9.1f}" for s in sizes))
+    print(f"budget {budget_mib:.0f} MiB/rank: largest micro-batch that fits: piper "
+          f"{_largest(pk_ours, budget_mib) if ours is not None else '- (' + err + ')'}, peer "
+          f"{_largest(pk_theirs, budget_mib)} (sizes tried: {' '.join(map(str, sizes))})")
+
+
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (M)")
@@ -221,10 +250,15 @@ def main() -> None:
                    help="fully_shard(reshard_after_forward=...) for the peer (1 = ZeRO-3)")
     p.add_argument("--no-mem", action="store_true", help="skip the profiled steps and the micro-batch sweep")
     args = p.parse_args()
+    if args.batch % args.microbatches:
+        p.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
+    return args
+
+
+def main() -> None:
+    args = _args()
     spec = Spec.from_args(args)
     m = args.microbatches
-    if spec.batch % m:
-        p.error(f"--batch {spec.batch} must be a multiple of --microbatches {m}")
     sizes = sorted(set(args.mb_sizes))
     mem = not args.no_mem
     raf = bool(args.peer_reshard_after_forward)
@@ -251,18 +285,7 @@ def main() -> None:
             print(f"  piper failed:\n{short_error(e)}", flush=True)
 
     ps = Summary.of(theirs)
-    print("\n== details (per rank; tensor MiB: see zero_common.py)")
-    for name, ranks in (("piper", ours), ("peer", theirs)):
-        if ranks is None:
-            continue
-        s = Summary.of(ranks)
-        print(f"  {name}: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} cpu {s.cpu_ms:.1f} ms, first step "
-              f"{s.first_s:.1f} s, RSS/rank {fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB")
-        for r, rr in enumerate(ranks):
-            print(f"    {name} rank {r} (stage {r % STAGES}): {rr.extra}")
-    if ours is not None:
-        compare_losses("global mean loss piper vs peer", ours[0].losses, theirs[0].losses)
-
+    _details(ours, theirs)
     mb = spec.batch // m
     print(f"\n== PP{STAGES} x DP{DP} ZeRO-3, 1F1B, M={m}, local batch {spec.batch} (micro-batch {mb}), "
           f"{spec.steps} timed steps; peer = {peer}")
@@ -278,15 +301,7 @@ def main() -> None:
               f"peer {max(ps.rss):.0f} MiB  | tensor state peer {_max_over(theirs, 'state'):.1f} MiB, tensor peak "
               f"peer {_max_over(theirs, 'peak'):.1f} MiB; piper {err}")
     if mem:
-        pk_ours, pk_theirs = _sweep_max(ours, sizes), _sweep_max(theirs, sizes)
-        print(f"tensor peak per rank (MiB, max over ranks) by micro-batch size (local batch = size x {m}):")
-        print("  size        " + "".join(f"{s:>9}" for s in sizes))
-        if pk_ours:
-            print("  piper       " + "".join(f"{pk_ours[s]:>9.1f}" for s in sizes))
-        print("  peer        " + "".join(f"{pk_theirs[s]:>9.1f}" for s in sizes))
-        print(f"budget {args.budget_mib:.0f} MiB/rank: largest micro-batch that fits: piper "
-              f"{_largest(pk_ours, args.budget_mib) if ours is not None else '- (' + err + ')'}, peer "
-              f"{_largest(pk_theirs, args.budget_mib)} (sizes tried: {' '.join(map(str, sizes))})")
+        _print_sweep(ours, theirs, sizes, m, args.budget_mib, err)
     print(f"after: {load_note()}")
 
 

@@ -143,7 +143,7 @@ def _mem(ranks: list[RankResult], key: str) -> str:
     return f"{max(vals):.1f}" if vals and all(v == v for v in vals) else "n/a"
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--world", type=int, nargs="+", default=[2], help="gloo ranks (one process each), e.g. 2 4")
@@ -163,6 +163,56 @@ def main() -> None:
     if args.precision == "bf16":
         args.zero = [z for z in args.zero if z >= 2]
         args.baseline = False
+    return args
+
+
+def _run_piper(args: argparse.Namespace, spec: Spec, world: int, zero: int, bucket_mb: float, mem: bool,
+               reduce: str | None) -> tuple[list[RankResult] | None, str]:
+    """piper's side of one variant: its ranks' results, or None and why not."""
+    if args.only_peers:
+        return None, "not run (--only-peers)"
+    print(f"  running world {world} zero{zero}: piper replicate(zero={zero}) ({spec.codegen}) ...", flush=True)
+    try:
+        return best_of(args.rounds, functools.partial(run_local, piper_worker, world, spec, zero, bucket_mb,
+                                                      args.prefetch, mem, reduce, timeout_s=args.timeout)), ""
+    except Exception as e:  # noqa: BLE001 - report and keep the peers' numbers
+        print(f"  piper zero={zero} world {world} failed:\n{short_error(e)}", flush=True)
+        return None, f"FAILED: {type(e).__name__}"
+
+
+def _report(tag: str, peer: str, world: int, ours: list[RankResult] | None, theirs: list[RankResult], err: str,
+            reduce: str | None, details: list[str]) -> str:
+    """The variant's line of the report (``details`` gets its per-rank lines and the loss check)."""
+    ps = Summary.of(theirs)
+    rss_peer = max(ps.rss)
+    if ours is not None:
+        s = Summary.of(ours)
+        line = (f"{tag}  piper {s.median_ms:.1f} ms  peer {ps.median_ms:.1f} ms  ratio piper/peer "
+                f"{s.median_ms / ps.median_ms:.2f}  peakRSS piper {max(s.rss):.0f} MiB peer {rss_peer:.0f} MiB"
+                f"  | world {world}, cpu ratio {s.cpu_ms / ps.cpu_ms:.2f}, tensor state piper "
+                f"{_mem(ours, 'state')} peer {_mem(theirs, 'state')} MiB, tensor peak piper "
+                f"{_mem(ours, 'peak')} peer {_mem(theirs, 'peak')} MiB; peer = {peer}")
+        details.append(f"  world {world} {tag} piper: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} "
+                       f"cpu {s.cpu_ms:.1f} ms, first step {s.first_s:.1f} s, RSS/rank "
+                       f"{fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB")
+        details.extend(f"    piper rank {r}: {rr.extra}" for r, rr in enumerate(ours))
+        ok = compare_losses(f"world {world} {tag} loss piper vs {peer}", ours[0].losses,
+                            theirs[0].losses, rtol=2e-2 if reduce else 1e-4)
+        details.append(f"    loss check: {'OK' if ok else 'MISMATCH'}")
+    else:
+        line = (f"{tag}  piper - ms  peer {ps.median_ms:.1f} ms  ratio piper/peer -  peakRSS piper - MiB "
+                f"peer {rss_peer:.0f} MiB  | world {world}, tensor state peer {_mem(theirs, 'state')} MiB, "
+                f"tensor peak peer {_mem(theirs, 'peak')} MiB; peer = {peer}; piper {err}")
+    details.append(f"  world {world} {tag} {peer}: median {ps.median_ms:.1f} p90 {ps.p90_ms:.1f} "
+                   f"cpu {ps.cpu_ms:.1f} ms, first step {ps.first_s:.1f} s, RSS/rank {fmt_ranks(ps.rss)} "
+                   f"({fmt_ranks(ps.growth, '{:+.0f}')}) MiB")
+    details.extend(f"    peer rank {r}: state {rr.extra.get('state_breakdown')} peak {rr.extra.get('peak')} MiB"
+                   for r, rr in enumerate(theirs))
+    return line
+
+
+def main() -> None:
+    args = _args()
     spec = Spec.from_args(args)
     mem = not args.no_mem
     stages = ([0] if args.baseline else []) + sorted(set(args.zero))
@@ -183,48 +233,10 @@ def main() -> None:
             print(f"  running world {world} zero{zero}: {peer} ...", flush=True)
             theirs = best_of(args.rounds, functools.partial(run_local, peer_worker, world, spec, zero, mem, reduce,
                                                             timeout_s=args.timeout))
-            ps = Summary.of(theirs)
             peer_losses[tag] = theirs[0].losses
-            ours: list[RankResult] | None = None
-            err = "not run (--only-peers)" if args.only_peers else ""
-            if not args.only_peers:
-                print(f"  running world {world} zero{zero}: piper replicate(zero={zero}) ({spec.codegen}) ...",
-                      flush=True)
-                try:
-                    ours = best_of(args.rounds, functools.partial(run_local, piper_worker, world, spec, zero,
-                                                                  bucket_of[zero], args.prefetch, mem, reduce,
-                                                                  timeout_s=args.timeout))
-                except Exception as e:  # noqa: BLE001 - report and keep the peers' numbers
-                    err = f"FAILED: {type(e).__name__}"
-                    print(f"  piper zero={zero} world {world} failed:\n{short_error(e)}", flush=True)
-            rss_peer = max(ps.rss)
-            if ours is not None:
-                s = Summary.of(ours)
-                line = (f"{tag}  piper {s.median_ms:.1f} ms  peer {ps.median_ms:.1f} ms  ratio piper/peer "
-                        f"{s.median_ms / ps.median_ms:.2f}  peakRSS piper {max(s.rss):.0f} MiB peer {rss_peer:.0f} MiB"
-                        f"  | world {world}, cpu ratio {s.cpu_ms / ps.cpu_ms:.2f}, tensor state piper "
-                        f"{_mem(ours, 'state')} peer {_mem(theirs, 'state')} MiB, tensor peak piper "
-                        f"{_mem(ours, 'peak')} peer {_mem(theirs, 'peak')} MiB; peer = {peer}")
-                details.append(f"  world {world} {tag} piper: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} "
-                               f"cpu {s.cpu_ms:.1f} ms, first step {s.first_s:.1f} s, RSS/rank "
-                               f"{fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB")
-                for r, rr in enumerate(ours):
-                    details.append(f"    piper rank {r}: {rr.extra}")
-                ok = compare_losses(f"world {world} {tag} loss piper vs {peer}", ours[0].losses,
-                                    theirs[0].losses, rtol=2e-2 if reduce else 1e-4)
-                details.append(f"    loss check: {'OK' if ok else 'MISMATCH'}")
-            else:
-                line = (f"{tag}  piper - ms  peer {ps.median_ms:.1f} ms  ratio piper/peer -  peakRSS piper - MiB "
-                        f"peer {rss_peer:.0f} MiB  | world {world}, tensor state peer {_mem(theirs, 'state')} MiB, "
-                        f"tensor peak peer {_mem(theirs, 'peak')} MiB; peer = {peer}; piper {err}")
-            details.append(f"  world {world} {tag} {peer}: median {ps.median_ms:.1f} p90 {ps.p90_ms:.1f} "
-                           f"cpu {ps.cpu_ms:.1f} ms, first step {ps.first_s:.1f} s, RSS/rank {fmt_ranks(ps.rss)} "
-                           f"({fmt_ranks(ps.growth, '{:+.0f}')}) MiB")
-            for r, rr in enumerate(theirs):
-                details.append(f"    peer rank {r}: state {rr.extra.get('state_breakdown')} "
-                               f"peak {rr.extra.get('peak')} MiB")
-            lines.append(line)
-            print("  " + line, flush=True)
+            ours, err = _run_piper(args, spec, world, zero, bucket_of[zero], mem, reduce)
+            lines.append(_report(tag, peer, world, ours, theirs, err, reduce, details))
+            print("  " + lines[-1], flush=True)
         ref = min(peer_losses)  # the peers train the same model on the same batches: they must agree
         for tag, losses in peer_losses.items():
             if tag != ref:

@@ -117,17 +117,19 @@ def test_uneven_batches_equal_the_global_mean(case: str) -> None:
     replicas' means, parameters off by ~1e-3)."""
     if case == "dp2_zero0":
         cfg = RunConfig(model="mlp", directives=[piper.replicate()], batches=(8, 4))
-        world = 2
+        world, atol = 2, 1e-6
     elif case == "dp2_mb2_zero3":
         cfg = RunConfig(model="gpt", directives=[piper.replicate(zero=3, bucket_mb=0.01), piper.split(2)],
                         batches=(12, 4), optimizer=("AdamW", {"lr": 1e-3}))
-        world = 2
+        # AdamW divides by sqrt(v): the fp32 summation order of another CPU's kernels (AVX2 vs AVX-512 MKL)
+        # moved one element of 4096 by 1.04e-6 after three steps; the wrong weighting moves them by ~1e-3
+        world, atol = 2, 1e-5
     else:
         directives = [*piper.pipeline(2, ranks=[[0, 2], [1, 3]]), piper.split(2),
                       *piper.schedules.one_f_one_b(2, 2), piper.replicate({"PP": "*"}, zero=1)]
         cfg = RunConfig(model="mlp", stages=2, directives=directives, batches=(8, 4), no_grad_eval=True)
-        world = 4
-    run_parity(cfg, world, rtol=1e-5, atol=1e-6)
+        world, atol = 4, 1e-6
+    run_parity(cfg, world, rtol=1e-5, atol=atol)
 
 
 def _bad_batches(rank: int, world: int, case: str) -> str:
