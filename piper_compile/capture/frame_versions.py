@@ -78,12 +78,8 @@ def count_version() -> Version | None:
     if frame is None:
         return None
     code, owner = frame
-    counts = _BY_OWNER.setdefault(owner, {}) if owner is not None else None
-    number = (counts.get(code, 0) if counts is not None else _BY_CODE.get(code, 0)) + 1
-    if counts is not None:
-        counts[code] = number
-    else:
-        _BY_CODE[code] = number
+    table = _BY_OWNER.setdefault(owner, {}) if owner is not None else _BY_CODE
+    number = table[code] = table.get(code, 0) + 1
     limit = _user_limit("recompile_limit")
     _keep_above(code)
     return Version(owner, number, limit)

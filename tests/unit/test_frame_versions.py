@@ -60,7 +60,10 @@ def test_every_model_of_a_class_trains_like_eager_past_dynamos_limit(limits):
             model = _Net()
             ref = copy.deepcopy(model)
             opt = SGD(ref.parameters())
-            step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
+            # a partial of its own, as a loop that builds its options does: equal options would make
+            # torch.compile's backends equal, and the models would share one compiled version (bind)
+            fresh = functools.partial(torch.optim.SGD, lr=0.1)
+            step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": fresh})
             for s in range(2):
                 x, y = _batch(s)
                 loss = step(x, y)
