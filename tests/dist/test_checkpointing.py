@@ -38,7 +38,9 @@ def test_pp2_x_dp2_zero3_selective():
     cfg = _pp(S.one_f_one_b(2, 4), "selective", optimizer=("AdamW", {"lr": 1e-3}))
     cfg.directives[:2] = piper.pipeline(2, ranks=[[0, 2], [1, 3]])
     cfg.directives.append(piper.replicate({"PP": "*"}, zero=3, bucket_mb=0.02))
-    run_parity(cfg, 4)
+    # AdamW turns summation-order noise of a near-zero gradient into an update ~lr/1000 off: on an AVX2-only
+    # CPU one element of 4096 moved 1.05e-6, with no checkpointing too (SGD agrees to 1e-6)
+    run_parity(cfg, 4, atol=1e-5)
 
 
 @pytest.mark.slow
