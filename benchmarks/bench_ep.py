@@ -52,8 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RankResult, Spec, Summary, add_common_args, best_of, compare_losses, eager_dp_step,  # noqa: E402
                     global_batches, load_note, local_batch, peer_adamw, piper_revision, timed_loop,
                     to_global_mean)
-from zero_common import (fmt_ranks, piper_extra, print_report, short_error, state_breakdown,  # noqa: E402
-                         tensor_peak)
+from zero_common import (fmt_ranks, mem_figure, piper_extra, print_report, ratio_line, short_error,  # noqa: E402
+                         state_breakdown, tensor_peak)
 
 from piper_compile.nn.experts import grouped_swiglu, grouped_swiglu_backward, route  # noqa: E402
 from piper_compile.nn.moe import MoE  # noqa: E402
@@ -364,11 +364,6 @@ def describe(spec: Spec) -> str:
             f"torch {torch.__version__}, piper {piper_revision()}, 1 thread/rank")
 
 
-def _mem(ranks: list[RankResult], key: str) -> str:
-    vals = [r.extra.get(key, float("nan")) for r in ranks]
-    return f"{max(vals):.1f}" if vals and all(v == v for v in vals) else "n/a"
-
-
 def _details(label: str, s: Summary, ranks: list[RankResult]) -> list[str]:
     out = [f"  {label}: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} cpu {s.cpu_ms:.1f} ms, first step "
            f"{s.first_s:.2f} s, RSS/rank {fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB"]
@@ -410,18 +405,14 @@ def main() -> None:
             run_piper(world, spec, mem, args.rounds, args.timeout)
         if ours is not None:
             s = Summary.of(ours)
-            line = (f"world {world}  piper {s.median_ms:.1f} ms  reference {rs.median_ms:.1f} ms  ratio "
-                    f"piper/reference {s.median_ms / rs.median_ms:.2f}  peakRSS piper {max(s.rss):.0f} MiB reference "
-                    f"{max(rs.rss):.0f} MiB  | cpu ratio {s.cpu_ms / rs.cpu_ms:.2f}, tensor state piper "
-                    f"{_mem(ours, 'state')} reference {_mem(theirs, 'state')} MiB, tensor peak piper "
-                    f"{_mem(ours, 'peak')} reference {_mem(theirs, 'peak')} MiB")
+            line = f"world {world}  {ratio_line(ours, theirs, 'reference')}"
             details += _details(f"world {world} piper", s, ours)
             ok = compare_losses(f"world {world} loss piper vs reference", ours[0].losses, theirs[0].losses)
             details.append(f"    loss check: {'OK' if ok else 'MISMATCH'}")
         else:
             line = (f"world {world}  piper - ms  reference {rs.median_ms:.1f} ms  ratio piper/reference -  peakRSS "
-                    f"piper - MiB reference {max(rs.rss):.0f} MiB  | tensor state reference {_mem(theirs, 'state')} "
-                    f"MiB, tensor peak reference {_mem(theirs, 'peak')} MiB; piper {why}")
+                    f"piper - MiB reference {max(rs.rss):.0f} MiB  | tensor state reference {mem_figure(theirs, 'state')} "
+                    f"MiB, tensor peak reference {mem_figure(theirs, 'peak')} MiB; piper {why}")
         lines.append(line)
         print("  " + line, flush=True)
     print_report(details, f"EP: piper vs reference, median step time of the slowest rank ({spec.steps} timed steps)", lines)

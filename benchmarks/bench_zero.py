@@ -71,7 +71,7 @@ from common import (RankResult, Spec, Summary, add_common_args, best_of, build_g
                     eager_dp_step, global_batches, load_note, local_batch, peer_adamw, peer_fused_kwargs,
                     timed_loop, to_global_mean)
 from zero_common import (block_mib, print_report, fmt_ranks, piper_extra, piper_optimizer, piper_replicate, short_error,  # noqa: E402
-                         state_breakdown, tensor_peak)
+                         mem_figure, ratio_line, state_breakdown, tensor_peak)
 
 from piper_compile.testing.launch import run_local  # noqa: E402
 
@@ -138,11 +138,6 @@ def peer_worker(rank: int, world: int, spec: Spec, zero: int, mem: bool, reduce:
     return res
 
 
-def _mem(ranks: list[RankResult], key: str) -> str:
-    vals = [r.extra.get(key, float("nan")) for r in ranks]
-    return f"{max(vals):.1f}" if vals and all(v == v for v in vals) else "n/a"
-
-
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -187,11 +182,7 @@ def _report(tag: str, peer: str, world: int, ours: list[RankResult] | None, thei
     rss_peer = max(ps.rss)
     if ours is not None:
         s = Summary.of(ours)
-        line = (f"{tag}  piper {s.median_ms:.1f} ms  peer {ps.median_ms:.1f} ms  ratio piper/peer "
-                f"{s.median_ms / ps.median_ms:.2f}  peakRSS piper {max(s.rss):.0f} MiB peer {rss_peer:.0f} MiB"
-                f"  | world {world}, cpu ratio {s.cpu_ms / ps.cpu_ms:.2f}, tensor state piper "
-                f"{_mem(ours, 'state')} peer {_mem(theirs, 'state')} MiB, tensor peak piper "
-                f"{_mem(ours, 'peak')} peer {_mem(theirs, 'peak')} MiB; peer = {peer}")
+        line = f"{tag}  {ratio_line(ours, theirs, 'peer')}; world {world}; peer = {peer}"
         details.append(f"  world {world} {tag} piper: median {s.median_ms:.1f} p90 {s.p90_ms:.1f} "
                        f"cpu {s.cpu_ms:.1f} ms, first step {s.first_s:.1f} s, RSS/rank "
                        f"{fmt_ranks(s.rss)} ({fmt_ranks(s.growth, '{:+.0f}')}) MiB")
@@ -201,8 +192,8 @@ def _report(tag: str, peer: str, world: int, ours: list[RankResult] | None, thei
         details.append(f"    loss check: {'OK' if ok else 'MISMATCH'}")
     else:
         line = (f"{tag}  piper - ms  peer {ps.median_ms:.1f} ms  ratio piper/peer -  peakRSS piper - MiB "
-                f"peer {rss_peer:.0f} MiB  | world {world}, tensor state peer {_mem(theirs, 'state')} MiB, "
-                f"tensor peak peer {_mem(theirs, 'peak')} MiB; peer = {peer}; piper {err}")
+                f"peer {rss_peer:.0f} MiB  | world {world}, tensor state peer {mem_figure(theirs, 'state')} MiB, "
+                f"tensor peak peer {mem_figure(theirs, 'peak')} MiB; peer = {peer}; piper {err}")
     details.append(f"  world {world} {tag} {peer}: median {ps.median_ms:.1f} p90 {ps.p90_ms:.1f} "
                    f"cpu {ps.cpu_ms:.1f} ms, first step {ps.first_s:.1f} s, RSS/rank {fmt_ranks(ps.rss)} "
                    f"({fmt_ranks(ps.growth, '{:+.0f}')}) MiB")

@@ -192,6 +192,25 @@ def fmt_ranks(xs: list[float], fmt: str = "{:.0f}") -> str:
     return " / ".join(fmt.format(x) for x in xs)
 
 
+def mem_figure(ranks: list[Any], key: str) -> str:
+    """The largest rank's tensor figure ``key`` (MiB, from ``RankResult.extra``), or n/a where a rank lacks it."""
+    vals = [r.extra.get(key, float("nan")) for r in ranks]
+    return f"{max(vals):.1f}" if vals and all(v == v for v in vals) else "n/a"
+
+
+def ratio_line(ours: list[Any], theirs: list[Any], peer: str) -> str:
+    """The report's figures of piper against ``peer`` (its name in the line): median step time, their
+    ratio, peak RSS, CPU-time ratio and the tensor state and peak."""
+    from common import Summary
+
+    s, p = Summary.of(ours), Summary.of(theirs)
+    return (f"piper {s.median_ms:.1f} ms  {peer} {p.median_ms:.1f} ms  ratio piper/{peer} "
+            f"{s.median_ms / p.median_ms:.2f}  peakRSS piper {max(s.rss):.0f} MiB {peer} {max(p.rss):.0f} MiB"
+            f"  | cpu ratio {s.cpu_ms / p.cpu_ms:.2f}, tensor state piper {mem_figure(ours, 'state')} {peer} "
+            f"{mem_figure(theirs, 'state')} MiB, tensor peak piper {mem_figure(ours, 'peak')} {peer} "
+            f"{mem_figure(theirs, 'peak')} MiB")
+
+
 def print_report(details: list[str], title: str, lines: list[str]) -> None:
     """The per-rank details, then the summary lines under ``title``, then the machine load."""
     from common import load_note

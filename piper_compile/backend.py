@@ -437,8 +437,9 @@ class CompiledStep:
 
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args: Any) -> tuple[torch.Tensor]:
-        fresh = self.joint is None or self.state is None or not self.state.first_call_done \
-            or (not training()) not in self.plans
+        # a step whose model is gone (``release``: no state) only binds other models' calls: not fresh
+        fresh = self.joint is None or self.state is not None and (
+            not self.state.first_call_done or (not training()) not in self.plans)
         with young_only() if fresh else _NULL:  # capture, planning and loading code allocate heavily
             return self._enter(args)
 

@@ -80,9 +80,8 @@ def count_version() -> Version | None:
     code, owner = frame
     table = _BY_OWNER.setdefault(owner, {}) if owner is not None else _BY_CODE
     number = table[code] = table.get(code, 0) + 1
-    limit = _user_limit("recompile_limit")
-    _keep_above(code)
-    return Version(owner, number, limit)
+    _keep_above(code)  # reads the user's limits before it raises Dynamo's
+    return Version(owner, number, _LIMITS["recompile_limit"][0])
 
 
 def _user_limit(name: str) -> int:
