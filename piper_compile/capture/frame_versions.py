@@ -20,6 +20,14 @@ compiles; per code object for a frame that is no module's method):
   compiled functions then also get that many versions before Dynamo runs them eagerly (only slower, never
   other numbers). The limit piper counts a model's versions against is the user's (the value the config
   had when piper last found it changed by someone else).
+
+Dynamo must also see a parameter's ``requires_grad_()`` (freezing a layer between steps): the version
+compiled with the layer trained would go on training it. Before torch 2.13 (seen on 2.11; torch's fix is
+pytorch#177158), Dynamo skips the tensor guards of a module's parameters while the module's parameter dict
+is unchanged (``skip_tensor_guards_with_matching_dict_tags``), and ``requires_grad_()`` does not change the
+dict: the frozen layer kept training, silently. There piper turns that skip off (process-wide, like the
+limits: other compiled functions then check their parameters' guards on every call, a little slower, never
+other numbers).
 """
 from __future__ import annotations
 
@@ -78,10 +86,21 @@ def count_version() -> Version | None:
     if frame is None:
         return None
     code, owner = frame
+    check_parameter_guards()
     table = _BY_OWNER.setdefault(owner, {}) if owner is not None else _BY_CODE
     number = table[code] = table.get(code, 0) + 1
     _keep_above(code)  # reads the user's limits before it raises Dynamo's
     return Version(owner, number, _LIMITS["recompile_limit"][0])
+
+
+def check_parameter_guards() -> None:
+    """Where this torch's Dynamo skips the guards of a module's parameters (before 2.13), make it check
+    them, so that a changed ``requires_grad`` compiles a new version (read when Dynamo builds the guards of
+    the frame compiling now, after the backend returns)."""
+    from piper_compile.disk import torch_version
+
+    if torch_version() < (2, 13) and getattr(dynamo_config, "skip_tensor_guards_with_matching_dict_tags", False):
+        dynamo_config.skip_tensor_guards_with_matching_dict_tags = False
 
 
 def _user_limit(name: str) -> int:

@@ -163,3 +163,18 @@ def test_a_step_shared_by_two_models_trains_the_survivor_like_eager(limits):
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-6, atol=1e-7)  # fp32 rounding of the updates
     for p, q in zip(second.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("version, skips", [((2, 11), False), ((2, 12), False), ((2, 13), True)])
+def test_parameter_guards_are_checked_where_dynamo_skips_them(monkeypatch, version, skips):
+    """Before torch 2.13 Dynamo skipped a module's parameter guards while its parameter dict was unchanged,
+    so freezing a layer (``requires_grad_(False)``) reused the version that trains it (seen on 2.11; the
+    parity test is ``tests/dist/test_requires_grad_change.py``). piper turns the skip off there, and leaves a
+    torch that checks ``requires_grad`` itself alone."""
+    from piper_compile import disk
+    from piper_compile.capture.frame_versions import check_parameter_guards
+
+    monkeypatch.setattr(disk, "torch_version", lambda: version)
+    with torch._dynamo.config.patch(skip_tensor_guards_with_matching_dict_tags=True):
+        check_parameter_guards()
+        assert torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags is skips
