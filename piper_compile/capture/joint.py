@@ -201,6 +201,23 @@ def _batch_symbols(specs: list[InputSpec], gm: fx.GraphModule) -> tuple[frozense
     return frozenset(d.node.expr for d, h in zip(symbolic, hints) if h == batch), batch
 
 
+def specialized_input(specs: list[InputSpec], gm: fx.GraphModule, batch_symbols: frozenset[Any],
+                      batch: int) -> str | None:
+    """The first tensor input whose leading size was dynamic when Dynamo lifted it, and that a guard then
+    fixed at the batch size while other inputs keep the batch dynamic: micro-batches would cut those and
+    not this one (a size mismatch deep in the compiled step, or each micro-batch reading the whole tensor)."""
+    if not batch_symbols:
+        return None
+    for s, node in zip(specs, gm.graph.find_nodes(op="placeholder")):
+        val = node.meta["example_value"]
+        if s.kind != INPUT or val.dim() == 0 or not isinstance(val.shape[0], torch.SymInt):
+            continue
+        expr = val.shape[0].node.expr
+        if expr.is_number and int(expr) == batch:
+            return s.name
+    return None
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 

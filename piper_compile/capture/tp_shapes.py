@@ -81,7 +81,18 @@ def fit_local_shapes(gm: fx.GraphModule, fakes: tuple[Any, ...], shards: dict[st
             colwise[n] = shard.parts
         elif shard is not None:
             rowwise.add(n)
-    return _Walker(gm, size, colwise, rowwise).run(fakes)
+    with _no_new_guards(fakes):
+        return _Walker(gm, size, colwise, rowwise).run(fakes)
+
+
+def _no_new_guards(fakes: tuple[Any, ...]) -> Any:
+    """The walk runs ops on Dynamo's fakes only to learn local shapes: it must not add guards to Dynamo's
+    shape environment. On torch 2.11 a row-parallel ``linear`` on the local shard evaluated ``batch == 4``
+    there, which specialized the batch and sequence sizes of the whole capture (a static joint graph, so
+    micro-batches were cut from the targets but not from the tokens)."""
+    mode = torch._guards.detect_fake_mode(fakes)
+    env = getattr(mode, "shape_env", None)
+    return env.suppress_guards() if env is not None else contextlib.nullcontext()
 
 
 def _linear_weight(n: fx.Node) -> fx.Node | None:

@@ -18,6 +18,7 @@ class PassContext:
     batch_size: int  # batch size seen at capture
     forward_only: bool = False
     static_batch_op: str | None = None  # the op that hard-codes the batch size, if found
+    specialized_input: str | None = None  # an input a guard fixed at the batch size (joint.specialized_input)
     timings: dict[str, float] = field(default_factory=dict)
     clip_grad_norm: float | None = None  # options["clip_grad_norm"]: clip by the global gradient norm
     loss_scaling: bool = False  # fp16 loss scaling: the norm all-reduce checks every rank's gradients

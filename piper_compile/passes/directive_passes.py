@@ -119,6 +119,12 @@ def apply_split(dag: TrainingDAG, d: Split, ctx: PassContext) -> TrainingDAG:
             problem,
             "compile with dynamic=True (or torch._dynamo.mark_dynamic(x, 0)) and write the model with "
             "x.shape[0] / -1 instead of a literal batch size")
+    if m > 1 and ctx.specialized_input is not None:
+        raise d.error(
+            f"input {ctx.specialized_input!r} had a dynamic batch size when Dynamo traced it, but a guard fixed "
+            f"it at {ctx.batch_size} (a torch._check or a comparison of its shape[0] with a number) while other "
+            "inputs keep the batch dynamic, so micro-batches would cut them and not it",
+            "remove the check on the batch size, or compare it with another input's shape[0]")
     if ctx.batch_size and ctx.batch_size % m:
         raise d.error(f"the local batch of {ctx.batch_size} does not divide into {m} micro-batches",
                       f"use a batch size that is a multiple of {m}, or a micro-batch count that divides it")

@@ -205,6 +205,34 @@ def test_dynamic_graph_that_hard_codes_the_batch_size() -> None:
     assert "view" in msg
 
 
+class CheckedBatch(nn.Module):
+    """Checks the tokens' batch size against a number: the guard fixes their size and not the targets'
+    (duck shaping off gives them separate symbols; only a flattening view relates them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(20, 8), nn.Linear(8, 20)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        torch._check(idx.shape[0] == 8)
+        return F.cross_entropy(self.out(self.emb(idx)).view(-1, 20), targets.view(-1))
+
+    def make_batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randint(0, 20, (n, 6), generator=gen), torch.randint(0, 20, (n, 6), generator=gen)
+
+
+def test_an_input_whose_batch_a_guard_fixed_is_not_cut_short() -> None:
+    """Before: the targets were cut into micro-batches of 4 and the tokens were not, and the step died deep
+    in torch with "size mismatch (got input: [48, 20], target: [24])" (on torch 2.11 a tensor-parallel
+    linear's own guard did this to every tensor-parallel capture)."""
+    m = CheckedBatch()
+    msg = _first_call_error(_compile(m, [piper.split(2)]), _batch(m), PiperDirectiveError)
+    assert "input 'idx' had a dynamic batch size" in msg and "fixed it at 8" in msg and "Fix:" in msg, msg
+    x, y = _batch(m)  # without micro-batches the fixed size is harmless
+    want = F.cross_entropy(m.out(m.emb(x)).view(-1, 20), y.view(-1))
+    torch.testing.assert_close(_compile(m, [])(x, y), want)
+
+
 def test_dynamic_graph_that_reshapes_across_the_batch() -> None:
     """Batch 16 stays symbolic, but view(8, -1) mixes samples: micro-batches would silently compute
     something else, so it must be an error naming the op."""

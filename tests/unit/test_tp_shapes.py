@@ -69,7 +69,8 @@ class _GQA(nn.Module):
         return self.o(a.transpose(1, 2).reshape(b, t, 32)).square().mean()
 
 
-def _dynamo_graph(model: nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list[str]]:
+def _dynamo_graph(model: nn.Module, *inputs: torch.Tensor, dynamic: bool | None = None
+                  ) -> tuple[fx.GraphModule, list[str]]:
     captured: list[tuple[fx.GraphModule, list[str]]] = []
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> object:
@@ -77,7 +78,7 @@ def _dynamo_graph(model: nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModu
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
     return captured[0]
 
 
@@ -119,6 +120,21 @@ def test_unmodified_graph_when_heads_are_inferred():
     before = {name: _calls(gm, name) for name in ("view", "reshape", "expand", "chunk")}
     shard_linears(gm, sources, (("blocks.*.qkv", "colwise:3"), ("blocks.*.proj", "rowwise")), 2)
     assert before["view"] and before == {name: _calls(gm, name) for name in before}
+
+
+def test_fitting_local_shapes_keeps_the_batch_dynamic():
+    """The walk on local fakes adds no guard to Dynamo's shape environment. Before, on torch 2.11, the
+    row-parallel projection's linear evaluated ``batch == 4`` there, which fixed the tokens' batch size and
+    not the targets' (a size mismatch in the loss once micro-batches cut only the targets)."""
+    from piper_compile.testing.models import build_model
+
+    model = build_model("gpt", 0, layers=1)
+    gm, sources = _dynamo_graph(model, *model.make_batch(4, torch.Generator().manual_seed(0)), dynamic=True)
+    vals = [ph.meta["example_value"] for ph in gm.graph.find_nodes(op="placeholder")]
+    inputs = [v for v in vals if isinstance(v, torch.Tensor) and v.dim() == 2 and not isinstance(v, nn.Parameter)]
+    assert len(inputs) == 2 and all(isinstance(v.shape[0], torch.SymInt) for v in inputs)
+    shard_linears(gm, sources, (("blocks.*.qkv", "colwise:3"), ("blocks.*.proj", "rowwise")), 2)
+    assert all(v.shape[0].node.expr.is_Symbol for v in inputs), [v.shape for v in inputs]
 
 
 class _TimeMix(_GQA):
