@@ -184,15 +184,27 @@ def pytree_registry_untouched() -> Iterator[None]:
     """Run ``GraphPickler`` against a copy of pytree's node registry. It registers ``slice`` for its work and
     removes it after, which bumps the version of ``torch.utils._pytree.SUPPORTED_NODES``; a model whose
     trace read the registry (transformers' models do) has a Dynamo guard on that version, built before
-    piper's deferred capture ran, so the second call recompiled the step."""
+    piper's deferred capture ran, so the second call recompiled the step. The copy holds ``slice`` already:
+    torch 2.11's pickler does not register it, so a Dynamo graph's ``x[:, :n]`` (a slice holding a node)
+    stopped its writing with "Unexpected raw Node during pickling"."""
     from torch.utils import _pytree as pytree
 
     saved = pytree.SUPPORTED_NODES
     pytree.SUPPORTED_NODES = dict(saved)
+    if slice not in saved:
+        pytree.SUPPORTED_NODES[slice] = pytree.NodeDef(slice, _slice_children, _slice_of, None)
     try:
         yield
     finally:
         pytree.SUPPORTED_NODES = saved
+
+
+def _slice_children(s: slice) -> tuple[list[Any], None]:
+    return [s.start, s.stop, s.step], None
+
+
+def _slice_of(children: list[Any], _context: None) -> slice:
+    return slice(*children)
 
 
 def _dumps(jgm: fx.GraphModule) -> bytes:

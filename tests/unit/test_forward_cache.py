@@ -18,6 +18,7 @@ from torch import nn
 
 import piper_compile as piper
 from piper_compile.capture.identity import identity
+from piper_compile.disk import TESTED_TORCH, torch_version
 from piper_compile.testing.models import GPT, GPTConfig, build_model
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -26,6 +27,9 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1)
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    if torch_version() < TESTED_TORCH:  # 'auto' is off there (the GPU machine's 2.11): asked for by name
+        monkeypatch.setenv("PIPER_FORWARD_CACHE", "on")
+        monkeypatch.setenv("PIPER_CAPTURE_CACHE", "turns")  # an entry names the joint graph's entry
     return tmp_path / "inductor" / "piper-forward"
 
 
@@ -275,6 +279,8 @@ def test_another_structure_of_the_same_class_traces_again(cache_dir, monkeypatch
 
 
 @pytest.mark.slow  # 30 s: two transformers traces
+@pytest.mark.skipif(torch_version() < TESTED_TORCH, reason="torch 2.11 cannot rebuild BERT's saved guards "
+                    "(DefaultsSource.__init__ takes 3 arguments, its pickle gives 6): the load traces again")
 def test_a_transformers_encoder_loads_its_trace(cache_dir, monkeypatch):
     """BERT's trace reads ``type(x)`` through a global Dynamo names by the id of ``torch`` (``_<id>_c0``): the
     load installs torch under a name of its own and renames it in the guards."""

@@ -16,9 +16,14 @@ import piper_compile as piper
 from piper_compile.capture import blocks
 from piper_compile.capture.regions import block_of
 from piper_compile.capture.subgraphs import calls_of
+from piper_compile.disk import TESTED_TORCH, torch_version
 from piper_compile.testing.models import GPT, FloatArgument, GPTConfig, build_model
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
+# Before torch 2.13 (the GPU machine's 2.11) Dynamo has no reuse check for piper to guard, so piper marks no
+# blocks (capture/blocks.wanted) and traces every block: the tests of marked blocks need the tested torch.
+REGIONS = pytest.mark.skipif(torch_version() < TESTED_TORCH,
+                             reason="piper marks no nested compile regions before torch 2.13")
 
 
 def _train(model: nn.Module, directives: list[Any], steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], Any, Any]:
@@ -117,6 +122,7 @@ def test_unlike_blocks_single_layers_and_blocks_with_tags_inside_are_not_marked(
     assert blocks.repeated_lists(mixed) == []
 
 
+@REGIONS
 def test_the_knob_and_shard_tensor_turn_marking_off(monkeypatch):
     from piper_compile.options import Options
 
@@ -129,6 +135,7 @@ def test_the_knob_and_shard_tensor_turn_marking_off(monkeypatch):
     assert blocks.wanted([]) is False
 
 
+@REGIONS
 def test_auto_marks_only_on_the_torch_the_region_metadata_is_tested_with(monkeypatch):
     monkeypatch.setenv("PIPER_NESTED_REGIONS", "auto")
     monkeypatch.setattr(blocks, "torch_version", lambda: (2, 11))
@@ -172,6 +179,7 @@ def test_an_attribute_of_a_later_block_changed_between_steps_compiles_the_step_a
         assert torch.allclose(params[k], v, rtol=1e-5, atol=1e-6), k
 
 
+@REGIONS
 def test_regions_the_user_marked_are_guarded_per_block_from_import_on(tmp_path):
     """The user's own nested compile regions under ``torch.compile(model, backend="piper")`` are traced
     before the backend runs: importing piper is what makes their stamped-out calls keep their guards."""
@@ -184,6 +192,7 @@ def test_regions_the_user_marked_are_guarded_per_block_from_import_on(tmp_path):
     assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
+@REGIONS
 def test_regions_are_off_where_dynamo_reuse_check_is_not_the_known_one(monkeypatch):
     from torch._dynamo.variables import invoke_subgraph
 
@@ -205,6 +214,7 @@ def _unnamed(text: str, names: set[str]) -> str:
     return " ".join(text.split())
 
 
+@REGIONS
 @pytest.mark.slow  # in the full suite; keeps the fast subset under 5 min
 def test_plan_traces_repeated_blocks_once_and_plans_like_a_flat_capture(monkeypatch):
     """``piper.plan`` (and so ``autoplan``, which plans its candidates on one capture) marks the blocks as
@@ -231,6 +241,7 @@ def test_plan_traces_repeated_blocks_once_and_plans_like_a_flat_capture(monkeypa
 
 # slow: ~20 s, keeps the fast subset under 5 min (the fast subset's piper.compile'd GPTs trace their blocks as
 # regions; this checks them bitwise against a flat capture, in the full suite)
+@REGIONS
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2])
 def test_regions_train_bitwise_like_a_flat_capture(monkeypatch, stages):
@@ -266,6 +277,7 @@ def _train_plain(model: nn.Module, directives: list[Any], steps: int = 3) -> tup
     return losses, piper.compiled_steps(step)[0]
 
 
+@REGIONS
 @pytest.mark.slow  # 6 s: keeps the fast subset under 5 min
 def test_float_attributes_inside_regions_become_constants(monkeypatch):
     """piper.compile traces floats as constants (``capture_settings``): Dynamo's graph has no float input;
@@ -281,6 +293,7 @@ def test_float_attributes_inside_regions_become_constants(monkeypatch):
     assert plain.joint.region_calls == 8
 
 
+@REGIONS
 @pytest.mark.slow  # ~9 s: in the full suite; keeps the fast subset under 5 min
 def test_layers_with_different_floats_are_inlined_and_still_train_exactly(monkeypatch):
     monkeypatch.setenv("PIPER_CAPTURE_CACHE", "off")
@@ -323,11 +336,14 @@ def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch, inside)
     b = torch.compile(marked, backend="piper", options=opts, dynamic=True, fullgraph=True)
     for _ in range(2):
         assert float(a(*batch).detach()) == float(b(*batch).detach())
-    assert piper.compiled_steps(b)[0].joint.region_calls == 6
+    calls = piper.compiled_steps(b)[0].joint.region_calls
+    # before torch 2.13 the export keeps the inner regions' calls too (24 for inside=True on 2.11)
+    assert calls == 6 or (torch_version() < TESTED_TORCH and calls > 6), calls
     for (k, v), w in zip(flat.state_dict().items(), marked.state_dict().values()):
         assert torch.equal(v, w), k
 
 
+@REGIONS
 @pytest.mark.slow  # 6-26 s: keeps the fast subset under 5 min
 def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -344,6 +360,7 @@ def test_the_capture_cache_keeps_the_compact_graph_and_loads_it(monkeypatch, tmp
         assert torch.equal(second[1][k], v), k
 
 
+@REGIONS
 @pytest.mark.slow  # ~9 s: in the full suite; keeps the fast subset under 5 min
 def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch):
     """HF GPT-2's blocks fail Dynamo's region stamp-out where their float attributes are inputs (an internal
@@ -373,6 +390,7 @@ def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch
     assert runs["auto", False] == (runs["off", True][0], 4)
 
 
+@REGIONS
 @pytest.mark.slow  # in the full suite: nine HF models traced twice each
 @pytest.mark.parametrize("family", ["bert", "vit", "gpt_neox", "mistral", "qwen2", "gemma2", "gemma3", "olmo2", "phi3"])
 def test_hf_families_trace_their_layers_as_regions_and_train_like_flat(monkeypatch, family):
