@@ -171,6 +171,7 @@ class CompiledSegment:
         """(compiled function, cache outcome) of ``gm`` traced for ``args``' concrete shapes; ``same`` is its
         (structure key, input signature, Inductor settings)."""
         warmup.wait()
+        args = _as_compiled_ahead(args)
         use_cache = bool(knob("PIPER_INDUCTOR_CACHE"))
         fast = artifacts.key(*same) if use_cache and artifacts.enabled() else None
         with torch.no_grad():
@@ -280,6 +281,14 @@ def _fakes(specs: list[Any], mode: Any) -> list[Any]:
     with mode:
         return [torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device=s.device) if isinstance(s, _Spec)
                 else s for s in specs]
+
+
+def _as_compiled_ahead(args: list[Any]) -> list[Any]:
+    """``args`` without ``requires_grad`` (no copy), as :meth:`CompiledSegment.precompile`'s fakes have them:
+    torch 2.11's FX graph cache key reads it, so a graph compiled at first use (on the real parameters) and
+    the same graph compiled ahead missed each other's cache entries. Inductor's code ignores it (a segment
+    runs under ``no_grad``)."""
+    return [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
 
 
 _TARGET = re.compile(r"target: ([\w.]+)")
