@@ -34,6 +34,12 @@ class _WithOnceLoggers(set):
     def __iter__(self):  # noqa: ANN204 - Dynamo's variable builder iterates the set
         return iter(set(set.__iter__(self)) | self._once())
 
+    def __deepcopy__(self, memo: dict) -> set:
+        """A copy of the config (its hash, torch 2.11's compile-metrics record) holds the plain entries: 2.11
+        sorts every set of the config for its record, and two functions do not sort -- each compile after
+        transformers' import failed that record with a traceback and kept the compiled model alive."""
+        return set(set.__iter__(self))
+
 
 import torch._dynamo.config as _dynamo_config  # noqa: E402
 

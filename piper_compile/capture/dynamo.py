@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from piper_compile.capture.joint import source_names
-from piper_compile.errors import PiperCaptureError
+from piper_compile.errors import PiperCaptureError, PiperError
 
 
 @dataclass
@@ -106,7 +106,8 @@ def one_graph_errors(model: nn.Module) -> Iterator[None]:
     """Dynamo's failure to trace ``model``'s step as one graph (``fullgraph``: a branch on a tensor's value,
     a call it cannot trace) as a ``piper:`` error naming the user's line, the reason and the ways out
     (``adapt_moe`` where the line is in a transformers MoE block), with Dynamo's own message after it;
-    piper's own errors and everything else pass as they are."""
+    piper's own errors and everything else pass as they are -- a piper error the backend raised too, which
+    torch 2.11 hands on wrapped in ``BackendCompilerFailed``."""
     from torch._dynamo import exc
 
     limit_hit = getattr(exc, "FailOnRecompileLimitHit", ())  # named so since torch 2.6
@@ -116,6 +117,11 @@ def one_graph_errors(model: nn.Module) -> Iterator[None]:
         raise PiperCaptureError(_one_graph_message(str(e), model)) from e
     except limit_hit as e:
         raise PiperCaptureError(limit_message()) from e
+    except exc.BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, PiperError):
+            raise inner from None
+        raise
 
 
 def limit_message(limit: int | None = None, last: str | None = None) -> str:

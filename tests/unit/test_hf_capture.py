@@ -12,6 +12,22 @@ pytest.importorskip("transformers")
 from piper_compile.testing.hf import HFLoss  # noqa: E402
 
 
+def test_the_skipped_once_loggers_leave_dynamos_config_record_sortable():
+    """Dynamo skips transformers' ``warning_once`` / ``info_once`` (piper adds them), while a copy of its
+    config -- torch 2.11 sorts every set of it for each compile's metrics record -- holds sortable entries
+    only. Before, after transformers' import, each compile logged "Unexpected exception logging compilation
+    metrics ... '<' not supported between instances of 'functools._lru_cache_wrapper'" and the compiled
+    model stayed alive."""
+    import logging
+
+    import transformers  # noqa: F401 - adds the once-loggers to logging.Logger
+
+    skipped = torch._dynamo.config.ignore_logging_functions
+    assert logging.Logger.warning_once in skipped and logging.Logger.info_once in skipped
+    assert {logging.Logger.warning_once, logging.Logger.info_once} <= set(iter(skipped))  # what Dynamo iterates
+    sorted(torch._dynamo.config.get_config_copy()["ignore_logging_functions"])
+
+
 @pytest.mark.slow  # slow: keeps the fast subset under 5 min
 def test_gpt2_with_labels_compiles_despite_warning_once():
     """GPT-2 called with ``labels=`` logs through transformers' ``logger.warning_once`` inside ``forward``;

@@ -5,6 +5,7 @@ that piper users have (``F.gaussian_nll_loss`` checks its variance with ``torch.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import pytest
@@ -122,4 +123,6 @@ def _step_until_the_limit() -> None:
             step(x, t)
     msg = str(err.value)
     assert msg.startswith("piper: Dynamo has compiled this model's step 3 times (torch._dynamo.config.recompile_limit)")
-    assert "self.temp == 1.1" in msg and "pass a value that changes every step as an argument of forward" in msg, msg
+    # a guard of a version the new value fails: 2.13 names the second version's, 2.11 the latest one's
+    assert re.search(r"self\.temp == 1\.[12]\b", msg), msg
+    assert "pass a value that changes every step as an argument of forward" in msg, msg
