@@ -16,6 +16,7 @@ from torch import nn
 import piper_compile as piper
 from piper_compile.api import capture_step
 from piper_compile.capture.decompose import MEAN, SUM, batch_terms
+from piper_compile.disk import torch_version
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -106,6 +107,11 @@ REFUSED = {
 }
 
 
+# torch 2.11's Dynamo cannot trace a cross-entropy over rows the outputs select (data-dependent sizes it
+# must compare: Ne(u0, u1)): piper names the line before any batch analysis
+UNTRACEABLE_BEFORE_2_13 = {"ce_by_output"}
+
+
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_a_step_that_does_not_add_up_is_refused_where_the_batch_is_cut(kind: str) -> None:
     op, line, rule = REFUSED[kind]
@@ -114,6 +120,9 @@ def test_a_step_that_does_not_add_up_is_refused_where_the_batch_is_cut(kind: str
     with pytest.raises(piper.PiperError) as err:
         step(*_batch(0))
     msg = str(err.value)
+    if kind in UNTRACEABLE_BEFORE_2_13 and torch_version() < (2, 13):  # refused earlier, as clearly
+        assert msg.startswith("piper: Dynamo cannot trace the training step as one graph at ") and line in msg, msg
+        return
     assert msg.startswith("piper: the step does not add up over pieces of the batch: at ") and op in msg \
         and line in msg and rule in msg and "into 2 micro-batches" in msg and "local_batch_ops" in msg, msg
     assert "move it to dim 0" not in msg  # every input is cut: no note on the layout
@@ -267,5 +276,9 @@ def test_a_routers_load_balancing_loss_over_the_batch_is_refused_where_the_batch
     model = RouterLossQwen()
     ids, _ = make_batch(4, torch.Generator().manual_seed(0), vocab=model.model.config.vocab_size)
     step = piper.compile(model, directives=[piper.split(2)], codegen="eager")
-    with pytest.raises(piper.PiperError, match=r"at mul.Tensor.*load_balancing_loss_func.*non-linear function"):
+    # torch 2.11's Dynamo takes transformers' router logits for no tuple and the aux loss for an int
+    # (AttributeError: 'to'): piper names the line that fails to trace
+    refusal = (r"at mul.Tensor.*load_balancing_loss_func.*non-linear function" if torch_version() >= (2, 13)
+               else r"cannot trace the training step as one graph at .*modeling_qwen3_moe.py:\d+ in forward")
+    with pytest.raises(piper.PiperError, match=refusal):
         step(ids, ids.clone())
