@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_check_cpu_part(tmp_path):
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+                          env={**os.environ, "OUT": str(tmp_path), "PIPER_PYTHON": sys.executable}, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| SKIP |" in table and "FAIL" not in table, table
