@@ -12,6 +12,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-PY=${PIPER_PYTHON:-$PY}  # another interpreter (the tests pass their own)
+PY=${GPU_CHECK_PYTHON:-$PY}  # another interpreter (the tests pass their own)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 exec "$PY" scripts/gpu_check.py --out "${OUT:-gpu_check_out}" "$@"

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_cpu_part(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_PYTHON": sys.executable}
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--quick"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OUT": str(tmp_path), "PIPER_PYTHON": sys.executable}, timeout=600)
+                          env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| SKIP |" in table and "FAIL" not in table, table
