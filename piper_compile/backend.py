@@ -23,8 +23,7 @@ from torch import fx
 
 from piper_compile.callmode import trained_loss, training
 from piper_compile.runtime import local_call
-from piper_compile.capture.joint import (BUFFER, INPUT, PARAM, JointGraph, capture_joint, find_batch_constant,
-                                         source_names, specialized_input)
+from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import accumulate, warmup
 from piper_compile.recompiles import compiling_version, graph_key, say_recompile
@@ -270,11 +269,8 @@ class CompiledStep:
     def context(self, forward_only: bool) -> PassContext:
         j = self.joint
         assert j is not None
-        batched = {s.value for s in j.inputs if s.batched}
-        static_op = find_batch_constant(j.dynamo_gm, j.batch_size, j.batch_symbols)
-        fixed = specialized_input(j.inputs, j.dynamo_gm, j.batch_symbols, j.batch_size)
-        return PassContext(self.world, self.segments, batched, {str(x) for x in j.batch_symbols},
-                           j.batch_size, forward_only, static_op, fixed, clip_grad_norm=self.options.clip_grad_norm,
+        return PassContext(self.world, self.segments, **j.batch_facts(), forward_only=forward_only,
+                           clip_grad_norm=self.options.clip_grad_norm,
                            loss_scaling=self.options.precision.scaling is not None, tp_partial=self.tp_partial)
 
     def initial_dag(self, forward_only: bool) -> tuple[TrainingDAG, PassContext]:

@@ -63,6 +63,14 @@ class JointGraph:
         return {str(s.symbol): mb_size if s.batched else int(args[s.arg_index])
                 for s in self.inputs if s.kind == SYM and s.symbol is not None}
 
+    def batch_facts(self) -> dict[str, Any]:
+        """The batch fields of the passes' context (``passes/context.PassContext``), as keywords."""
+        return {"batched_values": {s.value for s in self.inputs if s.batched},
+                "batch_symbols": {str(x) for x in self.batch_symbols}, "batch_size": self.batch_size,
+                "static_batch_op": find_batch_constant(self.dynamo_gm, self.batch_size, self.batch_symbols),
+                "specialized_input": specialized_input(self.inputs, self.dynamo_gm, self.batch_symbols,
+                                                       self.batch_size)}
+
     def spec(self, value: str) -> InputSpec | None:
         for s in self.inputs:
             if s.value == value:
