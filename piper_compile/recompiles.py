@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -24,7 +25,10 @@ def graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tu
     return (id(options), graph_code(gm), tuple(sig(t) for t in example_inputs), torch.is_grad_enabled())
 
 
-_GRAD_MODES: dict[tuple[Any, ...], set[bool]] = {}  # (Dynamo frame, model) -> grad modes it has a version for
+# model -> Dynamo frame -> the grad modes it has a version for (weak: a dropped model takes its entries along);
+# frames compiled for no model in _UNOWNED
+_GRAD_MODES: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], set[bool]]]" = weakref.WeakKeyDictionary()
+_UNOWNED: dict[tuple[Any, ...], set[bool]] = {}
 _FAILED: contextvars.ContextVar[str | None] = contextvars.ContextVar("piper_failed_guard", default=None)
 
 
@@ -65,14 +69,15 @@ def recompile_reason(first: bool = False, owner: object = None) -> str | None:
 
         metrics = get_metrics_context()._metrics  # noqa: SLF001
         reason = metrics.get("recompile_reason")
-        frame = (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"), id(owner))
+        frame = (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"))
     except Exception:  # noqa: BLE001 - another torch version: no report
         return None
     grad = torch.is_grad_enabled()
+    modes = _UNOWNED if owner is None else _GRAD_MODES.setdefault(owner, {})
     if not reason or first:  # the frame's first version (since a torch._dynamo.reset()) for this model
-        _GRAD_MODES[frame] = {grad}
+        modes[frame] = {grad}
         return _FAILED.get()
-    seen = _GRAD_MODES.setdefault(frame, set())
+    seen = modes.setdefault(frame, set())
     if grad not in seen:  # the first training or the first torch.no_grad version: expected
         seen.add(grad)
         return None

@@ -117,9 +117,12 @@ def test_the_users_own_limit_counts(limits):
 
 def test_a_dropped_model_frees_its_parameters_and_state(limits):
     """Dynamo keeps a class's compiled versions, each holding its piper step, as long as the class: the
-    step lets go of the model's tensors and training state when the model is garbage-collected."""
+    step lets go of the model's tensors and training state when the model is garbage-collected, and piper's
+    note of the grad modes each model's frame has versions for goes with the model."""
     import gc
     import weakref
+
+    from piper_compile import recompiles
 
     class Net(_Net):
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -130,11 +133,15 @@ def test_a_dropped_model_frees_its_parameters_and_state(limits):
         model = Net()
         step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
         step(*_batch(0))
+        assert seed or model in recompiles._GRAD_MODES  # the class's first compile notes its grad mode
         return [weakref.ref(p) for p in model.parameters()]
 
+    gc.collect()
+    noted = len(recompiles._GRAD_MODES)
     held = [train_one(i) for i in range(3)]
     gc.collect()
     assert [sum(r() is not None for r in refs) for refs in held] == [0, 0, 0]
+    assert len(recompiles._GRAD_MODES) == noted  # nor does piper's recompile bookkeeping keep an entry of them
 
 
 def test_a_step_shared_by_two_models_trains_the_survivor_like_eager(limits):
