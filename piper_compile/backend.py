@@ -26,7 +26,7 @@ from piper_compile.runtime import local_call
 from piper_compile.capture.joint import BUFFER, INPUT, PARAM, JointGraph, capture_joint, source_names
 from piper_compile.capture.segments import Segment, extract_segments
 from piper_compile.codegen import accumulate, warmup
-from piper_compile.recompiles import compiling_version, graph_key, say_recompile
+from piper_compile.recompiles import compiling_version, graph_key, ran_on_version, say_recompile
 from piper_compile.capture.frame_versions import calling_module, release_with
 from piper_compile.codegen.compile import CompiledSegment, precompile
 from piper_compile.directives.spec import (
@@ -104,6 +104,7 @@ class CompiledStep:
         self.gm = gm
         self.link = link if link is not None else link_for(options)  # piper.compile's link to the module
         self.recompile_reason: str | None = None  # set by piper_backend when Dynamo compiled the frame again
+        self.frame_code: Any = None  # and the code object of that frame (where Dynamo says)
         self.reused_recompiles = 0  # Dynamo recompiles that traced this step's graph again (piper_backend)
         self.forward_how, self.forward_seconds = "dynamo", 0.0  # the forward's trace (capture/forward_route.py)
         self._arg_order: list[int] | None = None  # mixed precision: the re-traced graph's inputs
@@ -431,6 +432,7 @@ class CompiledStep:
         owner = calling_module(list(params.values()))  # the model this call is for: release its state with it
         if owner is not None:
             release_with(owner, other)
+            ran_on_version(owner, self.frame_code)
         return other
 
     # -- running -------------------------------------------------------------------------------
@@ -581,6 +583,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
         say_recompile(reason, reused=False)
     step = CompiledStep(gm, example_inputs, options)
     step.recompile_reason = reason
+    step.frame_code = version and version.code
     if version is not None and version.owner is not None:
         release_with(version.owner, step)
     warmup.start_for(example_inputs, lambda: step.options.codegen)  # overlaps the first call's capture

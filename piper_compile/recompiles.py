@@ -25,10 +25,10 @@ def graph_key(gm: fx.GraphModule, example_inputs: list[Any], options: Any) -> tu
     return (id(options), graph_code(gm), tuple(sig(t) for t in example_inputs), torch.is_grad_enabled())
 
 
-# model -> Dynamo frame -> the grad modes it has a version for (weak: a dropped model takes its entries along);
-# frames compiled for no model in _UNOWNED
-_GRAD_MODES: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], set[bool]]]" = weakref.WeakKeyDictionary()
-_UNOWNED: dict[tuple[Any, ...], set[bool]] = {}
+# model -> Dynamo frame (its code object) -> the grad modes it has a version for (weak: a dropped model takes
+# its entries along); frames compiled for no model in _UNOWNED
+_GRAD_MODES: "weakref.WeakKeyDictionary[Any, dict[Any, set[bool]]]" = weakref.WeakKeyDictionary()
+_UNOWNED: dict[Any, set[bool]] = {}
 _FAILED: contextvars.ContextVar[str | None] = contextvars.ContextVar("piper_failed_guard", default=None)
 
 
@@ -52,24 +52,26 @@ def compiling_version() -> tuple[Any, str | None]:
     from piper_compile.errors import PiperCaptureError
 
     version = count_version()
-    reason = recompile_reason(version is not None and version.first, version and version.owner)
+    reason = recompile_reason(version is not None and version.first, version and version.owner,
+                              version and version.code)
     if version is not None and version.over_limit:
         raise PiperCaptureError(limit_message(version.limit, reason and guard_text(reason)))
     return version, reason
 
 
-def recompile_reason(first: bool = False, owner: object = None) -> str | None:
+def recompile_reason(first: bool = False, owner: object = None, code: Any = None) -> str | None:
     """When Dynamo compiles this frame again: the guard that failed, said once on stderr (a switch between
     training and ``torch.no_grad`` calls is expected and not reported). Read from Dynamo's metrics context
     (private: None where this torch has no such record). ``first``: the first version of the frame for
     ``owner``, the model it is compiled for (``capture/frame_versions.py``): Dynamo's reason then names
-    another model's version, and this one is no recompile."""
+    another model's version, and this one is no recompile. ``code``: the frame's code object (else the
+    frame Dynamo's metrics name)."""
     try:
         from torch._dynamo.utils import get_metrics_context
 
         metrics = get_metrics_context()._metrics  # noqa: SLF001
         reason = metrics.get("recompile_reason")
-        frame = (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"))
+        frame = code or (metrics.get("co_filename"), metrics.get("co_firstlineno"), metrics.get("co_name"))
     except Exception:  # noqa: BLE001 - another torch version: no report
         return None
     grad = torch.is_grad_enabled()
@@ -82,6 +84,18 @@ def recompile_reason(first: bool = False, owner: object = None) -> str | None:
         seen.add(grad)
         return None
     return reason
+
+
+def ran_on_version(owner: Any, code: Any) -> None:
+    """``owner`` (a model) runs on the version of frame ``code`` Dynamo compiled for another model, in the
+    current grad mode: the next version Dynamo compiles for it is a recompile, and is said as one (nothing
+    is noted where the frame is unknown: ``code`` None)."""
+    from piper_compile.capture.frame_versions import note_ran
+
+    if code is None:
+        return
+    note_ran(owner, code)
+    _GRAD_MODES.setdefault(owner, {}).setdefault(code, set()).add(torch.is_grad_enabled())
 
 
 _LAST: list[str] = []  # the guard the latest recompile named (for the error at Dynamo's recompile limit)

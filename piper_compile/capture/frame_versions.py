@@ -12,7 +12,9 @@ So piper counts the versions itself, per model (the frame's ``self``, the module
 compiles; per code object for a frame that is no module's method):
 
 - a model's first version of a frame is not a recompile (Dynamo's reason then names another model's
-  version: a different backend), so nothing is reported;
+  version: a different backend), so nothing is reported, unless the model already ran on a version
+  compiled for another model (Dynamo runs it for every model whose guards pass, equal options included):
+  a changed attribute then compiles the model's first version, and that is a recompile;
 - a model gets the limit's worth of versions of its own: past them piper refuses with the recompile-limit
   error ``fullgraph=True`` gives (``capture/dynamo.limit_message``), never an eager run;
 - Dynamo's own limits (``recompile_limit``, ``accumulated_recompile_limit``) are kept above the versions the
@@ -43,6 +45,8 @@ from torch._dynamo import config as dynamo_config
 # owner module -> code object -> versions piper compiled; code objects of frames without a module owner
 _BY_OWNER: "weakref.WeakKeyDictionary[nn.Module, dict[types.CodeType, int]]" = weakref.WeakKeyDictionary()
 _BY_CODE: "weakref.WeakKeyDictionary[types.CodeType, int]" = weakref.WeakKeyDictionary()
+# owner module -> code objects whose version compiled for another model it ran on
+_RAN: "weakref.WeakKeyDictionary[nn.Module, set[types.CodeType]]" = weakref.WeakKeyDictionary()
 _LIMITS = {"recompile_limit": [0, 0], "accumulated_recompile_limit": [0, 0]}  # name -> [user's, last piper set]
 
 
@@ -53,10 +57,13 @@ class Version:
     owner: nn.Module | None
     number: int  # 1: the owner's first version of this frame
     limit: int  # the user's recompile_limit
+    code: types.CodeType | None = None
+    ran_before: bool = False  # the owner ran on a version of this frame compiled for another model
 
     @property
     def first(self) -> bool:
-        return self.number == 1
+        """No recompile: the owner's first version of the frame, and it ran on none before."""
+        return self.number == 1 and not self.ran_before
 
     @property
     def over_limit(self) -> bool:
@@ -90,7 +97,13 @@ def count_version() -> Version | None:
     table = _BY_OWNER.setdefault(owner, {}) if owner is not None else _BY_CODE
     number = table[code] = table.get(code, 0) + 1
     _keep_above(code)  # reads the user's limits before it raises Dynamo's
-    return Version(owner, number, _LIMITS["recompile_limit"][0])
+    ran_before = owner is not None and code in _RAN.get(owner, ())
+    return Version(owner, number, _LIMITS["recompile_limit"][0], code, ran_before)
+
+
+def note_ran(owner: nn.Module, code: types.CodeType) -> None:
+    """``owner`` runs on a version of ``code`` that Dynamo compiled for another model."""
+    _RAN.setdefault(owner, set()).add(code)
 
 
 def check_parameter_guards() -> None:

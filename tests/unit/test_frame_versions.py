@@ -173,6 +173,42 @@ def test_a_step_shared_by_two_models_trains_the_survivor_like_eager(limits):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def test_a_model_on_another_models_version_is_told_of_its_own_recompile(limits):
+    """Two models of one class with equal options share Dynamo's compiled version (``bind``). When the
+    second one's attribute changes, Dynamo compiles that model's first version of its own: a recompile,
+    said once and counted. Before: a model's first version was never one, so it went unsaid (stats 0)."""
+    import piper_compile as piper
+
+    class Net(_Net):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return (self.b(torch.relu(self.a(x))) * self.k - y).square().mean()
+
+    options = {"codegen": "eager", "optimizer": SGD}
+    torch.manual_seed(0)
+    models = [Net(), Net()]
+    refs = [copy.deepcopy(m) for m in models]
+    opts = [SGD(r.parameters()) for r in refs]
+    steps = [torch.compile(m, backend="piper", options=options) for m in models]
+    x, y = _batch(0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for s in range(3):
+            if s == 2:
+                models[1].k = refs[1].k = 2
+            for step, ref, opt in zip(steps, refs, opts):
+                torch.testing.assert_close(step(x, y).detach(), ref(x, y).detach(), rtol=1e-6, atol=1e-7)
+                _eager_step(ref, opt, x, y)
+            if s < 2:
+                with torch.no_grad():  # a switch to no_grad is expected: no report
+                    steps[1](x, y)
+    told = [str(w.message) for w in said if "compiles the piper step again" in str(w.message)]
+    assert len(told) == 1 and "self.k == 1" in told[0], told
+    assert [piper.stats(s).recompiles for s in steps] == [0, 1]
+    for model, ref in zip(models, refs):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("version, skips", [((2, 11), False), ((2, 12), False), ((2, 13), True)])
 def test_parameter_guards_are_checked_where_dynamo_skips_them(monkeypatch, version, skips):
     """Before torch 2.13 Dynamo skipped a module's parameter guards while its parameter dict was unchanged,
