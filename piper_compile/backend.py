@@ -572,7 +572,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[s
     """The ``torch_dynamo_backends`` entry point ``piper``."""
     if kwargs:
         raise PiperError(f"piper: unexpected backend arguments {sorted(kwargs)}; pass settings in options={{...}}")
-    version, reason = compiling_version()
+    version, reason = compiling_version(options)
     key = graph_key(gm, example_inputs, options)
     prior = _SAME_GRAPH.get(key)
     if reason is not None and prior is not None and prior.joint is not None and prior.raw_options is options:

@@ -43,17 +43,19 @@ def after_failed_guard(guard: str) -> Iterator[None]:
         _FAILED.reset(token)
 
 
-def compiling_version() -> tuple[Any, str | None]:
+def compiling_version(options: Any = None) -> tuple[Any, str | None]:
     """The version of the frame Dynamo is compiling for piper (``capture/frame_versions.Version``, None
-    where unknown) and, when it is a recompile, its reason (:func:`recompile_reason`). A model past its
-    versions is refused with the recompile-limit error: Dynamo would run its forward eagerly."""
+    where unknown) and, when it is a recompile, its reason (:func:`recompile_reason`; a version for a
+    ``torch.compile`` with other ``options`` than every earlier one is none). A model past its versions is
+    refused with the recompile-limit error: Dynamo would run its forward eagerly."""
     from piper_compile.capture.dynamo import limit_message
-    from piper_compile.capture.frame_versions import count_version
+    from piper_compile.capture.frame_versions import another_compile, count_version
     from piper_compile.errors import PiperCaptureError
 
     version = count_version()
-    reason = recompile_reason(version is not None and version.first, version and version.owner,
-                              version and version.code)
+    code = version and version.code
+    first = version is not None and (version.first or another_compile(code, options))
+    reason = recompile_reason(first, version and version.owner, code)
     if version is not None and version.over_limit:
         raise PiperCaptureError(limit_message(version.limit, reason and guard_text(reason)))
     return version, reason

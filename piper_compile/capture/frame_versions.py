@@ -101,6 +101,20 @@ def count_version() -> Version | None:
     return Version(owner, number, _LIMITS["recompile_limit"][0], code, ran_before)
 
 
+def another_compile(code: types.CodeType | None, options: Any) -> bool:
+    """Whether every version of ``code`` Dynamo holds was compiled by a ``torch.compile`` whose options
+    differ from ``options`` (the compiling one's): the frame is then compiled for a new ``torch.compile``
+    of the model, not again. False where a version's backend shows no options or they do not compare."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        kwargs = [getattr(getattr(e, "backend", None), "kwargs", None) for e in _debug_get_cache_entry_list(code)]
+        return all(isinstance(k, dict) and "options" in k for k in kwargs) and \
+            not any(bool(k["options"] == options) for k in kwargs)
+    except Exception:  # noqa: BLE001 - another torch's cache entries, or options that do not compare
+        return False
+
+
 def note_ran(owner: nn.Module, code: types.CodeType) -> None:
     """``owner`` runs on a version of ``code`` that Dynamo compiled for another model."""
     _RAN.setdefault(owner, set()).add(code)

@@ -209,6 +209,33 @@ def test_a_model_on_another_models_version_is_told_of_its_own_recompile(limits):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def test_compiling_a_model_again_with_other_options_is_no_recompile(limits):
+    """A second ``torch.compile`` of one model with other options (a new backend for Dynamo) compiles that
+    step's first version: not a recompile, so nothing says "keep that attribute fixed" (before: a report
+    naming Dynamo's BACKEND_MATCH guard). A changed attribute afterwards still is one, for either step."""
+    import piper_compile as piper
+
+    class Net(_Net):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return (self.b(torch.relu(self.a(x))) * self.k - y).square().mean()
+
+    model = Net()
+    x, y = _batch(0)
+    first = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
+    second = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD, "directives": []})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        first(x, y)
+        second(x, y)
+        before = len(said)
+        model.k = 2
+        first(x, y)
+    told = [str(w.message) for w in said if "compiles the piper step again" in str(w.message)]
+    assert len(told) == 1 and "self.k == 1" in told[0] and not any("BACKEND_MATCH" in t for t in told), told
+    assert not any("compiles the piper step again" in str(w.message) for w in said[:before])
+    assert [piper.stats(s).recompiles for s in (first, second)] == [1, 1]  # counted per model (its state)
+
+
 @pytest.mark.parametrize("version, skips", [((2, 11), False), ((2, 12), False), ((2, 13), True)])
 def test_parameter_guards_are_checked_where_dynamo_skips_them(monkeypatch, version, skips):
     """Before torch 2.13 Dynamo skipped a module's parameter guards while its parameter dict was unchanged,
