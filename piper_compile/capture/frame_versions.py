@@ -14,7 +14,9 @@ compiles; per code object for a frame that is no module's method):
 - a model's first version of a frame is not a recompile (Dynamo's reason then names another model's
   version: a different backend), so nothing is reported, unless the model already ran on a version
   compiled for another model (Dynamo runs it for every model whose guards pass, equal options included):
-  a changed attribute then compiles the model's first version, and that is a recompile;
+  a changed attribute then compiles the model's first version, and that is a recompile. A version for a
+  ``torch.compile`` whose options differ from those of every version Dynamo holds (its ``BACKEND_MATCH``
+  guard failed) is a new compile of the model, not a recompile (``another_compile``);
 - a model gets the limit's worth of versions of its own: past them piper refuses with the recompile-limit
   error ``fullgraph=True`` gives (``capture/dynamo.limit_message``), never an eager run;
 - Dynamo's own limits (``recompile_limit``, ``accumulated_recompile_limit``) are kept above the versions the
