@@ -25,7 +25,8 @@ class _Node:
 
 
 def _suite(root: Path) -> tuple[list[str], dict[str, float]]:
-    """Collection and durations: 3 timed dist files, 4 plain ones, 40 single-process tests."""
+    """Collection and durations: 3 timed dist files (60 s), 4 plain ones, 20 single-process tests (30 s:
+    they end while timed files still run, so the other worker must wait, then be woken)."""
     files = {"test_clock_a": 3, "test_clock_b": 1, "test_clock_c": 2,
              "test_big": 6, "test_mid": 4, "test_small": 2, "test_one": 1}
     (root / "tests" / "dist").mkdir(parents=True)
@@ -36,14 +37,15 @@ def _suite(root: Path) -> tuple[list[str], dict[str, float]]:
         for i in range(n):
             ids.append(f"tests/dist/{name}.py::test_{i}")
             secs[ids[-1]] = 10.0
-    for i in range(40):
+    for i in range(20):
         ids.append(f"tests/unit/test_u{i}.py::test")
         secs[ids[-1]] = 1.5
     return ids, secs
 
 
-def _run(root: Path) -> tuple[list[tuple[float, float, str, str]], RanksApart]:
-    """Run the simulated suite: (start, end, worker, test) for each test, in completion order."""
+def _run(root: Path) -> tuple[list[tuple[float, float, str, str]], RanksApart, list[str]]:
+    """Run the simulated suite: (start, end, worker, test) for each test in completion order, the
+    scheduler and the collection."""
     ids, secs = _suite(root)
     config = SimpleNamespace(getvalue=lambda key: ["2*popen"], option=SimpleNamespace(loadscopereorder=True),
                              rootpath=root)
@@ -66,12 +68,11 @@ def _run(root: Path) -> tuple[list[tuple[float, float, str, str]], RanksApart]:
         for other in idle:  # work sent to an idle worker starts now
             free[other] = max(free[other], end)
     assert sched.tests_finished
-    return done, sched
+    return done, sched, ids
 
 
 def test_every_test_runs_once_and_timed_files_never_share_the_cores(tmp_path):
-    done, _ = _run(tmp_path)
-    ids, _ = _suite(tmp_path / "again")
+    done, _, ids = _run(tmp_path)
     assert sorted(t for *_, t in done) == sorted(ids)
     dist = [(s, e, w, t) for s, e, w, t in done if t.startswith("tests/dist/")]
     for s, e, w, t in dist:
@@ -81,12 +82,12 @@ def test_every_test_runs_once_and_timed_files_never_share_the_cores(tmp_path):
 
 
 def test_the_worker_out_of_single_process_tests_takes_multi_process_files_from_the_back(tmp_path):
-    done, sched = _run(tmp_path)
+    done, sched, _ = _run(tmp_path)
     ranks = sched.ranks_node.gateway.id
     other = [t for _, _, w, t in done if w != ranks]
     stolen = [t.split("::")[0] for t in other if t.startswith("tests/dist/")]
     assert stolen and not any("clock" in f for f in stolen), stolen
-    assert all(t.startswith("tests/unit/") for t in other[:40])  # its own tests first
+    assert all(t.startswith("tests/unit/") for t in other[:20])  # its own tests first
     ends = {w: max(e for _, e, w2, _ in done if w2 == w) for w in ("gw0", "gw1")}
     serial_dist = sum(e - s for s, e, _, t in done if t.startswith("tests/dist/"))
     assert max(ends.values()) < serial_dist  # without taking files it would end after all of them
