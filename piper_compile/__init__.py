@@ -49,7 +49,8 @@ if hasattr(_dynamo_config, "ignore_logging_functions") and not isinstance(
 
 from piper_compile import schedules  # noqa: E402
 from piper_compile.api import (  # noqa: E402
-    StaticPlan, compile, compiled_steps, explain, last_stats, loss_scaler, optimizer, plan, trained_parameters,
+    StaticPlan, compile, compiled_steps, explain, last_stats, loss_scaler, memory_report, optimizer, plan, stats,
+    trained_parameters,
 )
 from piper_compile.backend import piper_backend  # noqa: E402
 
@@ -74,10 +75,9 @@ from piper_compile.checkpoint import (  # noqa: E402
     CheckpointIncomplete, LoadResult, full_state_dict, load, load_full_state_dict, materialize_optimizer_state, save, sharded_state_dict,
 )
 from piper_compile.directives import checkpoint, order, pipeline, place, replicate, shard, shard_tensor, split  # noqa: E402
-from piper_compile.memory import memory_report  # noqa: E402
 from piper_compile.init.replay import materialize  # noqa: E402
 from piper_compile.autoplan import autoplan, profile  # noqa: E402
-from piper_compile.metrics import StepMetrics, stats  # noqa: E402
+from piper_compile.metrics import StepMetrics  # noqa: E402
 from piper_compile.runtime.consistency import local  # noqa: E402
 from piper_compile.errors import PiperCaptureError, PiperDirectiveError, PiperError, PiperPlanError, PiperRuntimeError  # noqa: E402
 

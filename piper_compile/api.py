@@ -8,8 +8,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from piper_compile.backend import CompiledStep
+from piper_compile.backend import CompiledStep, piper_backend
 from piper_compile.callmode import forward_only, wants_forward_only
+from piper_compile.memory import MemoryReport, report_of
+from piper_compile.metrics import StepMetrics, metrics_of
 from piper_compile.options import Options
 from piper_compile.capture.blocks import flat_on_failure
 from piper_compile.capture.dynamo import capture_settings, give_own_forward, one_graph_errors, trace
@@ -19,65 +21,13 @@ from piper_compile.errors import PiperDirectiveError, PiperError, some
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
 from piper_compile.runtime.registry import link, state_of_module
-
-
-def _module_of(step: Any) -> nn.Module:
-    mod = getattr(step, "_orig_mod", step)
-    if not isinstance(mod, nn.Module):
-        raise PiperError(f"piper: expected the module returned by torch.compile(model, backend='piper'), got "
-                         f"{type(step).__name__}")
-    return mod
-
-
-def _find_options(obj: Any, depth: int = 0, seen: set[int] | None = None) -> dict[str, Any] | None:
-    """The ``options`` dict given to torch.compile, found in Dynamo's wrapper chain (version-robust BFS)."""
-    seen = seen if seen is not None else set()
-    if obj is None or id(obj) in seen or depth > 8:
-        return None
-    seen.add(id(obj))
-    kwargs = getattr(obj, "kwargs", None)
-    if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
-        return kwargs["options"]
-    for name in ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",
-                 "compiler_fn", "_inner_convert", "backend_fn"):
-        found = _find_options(getattr(obj, name, None), depth + 1, seen)
-        if found is not None:
-            return found
-    return None
-
-
-def _state(step: Any, create: bool) -> Any:
-    """The training state of the module ``step`` compiles (``runtime/registry.py``); made before the first
-    call when ``create`` (its optimizer factory read from the options given to torch.compile)."""
-    module = _module_of(step)
-    st = state_of_module(module)
-    if st is not None or not create:
-        return st
-    linked = getattr(step, "_piper_link", None)  # piper.compile keeps the options; torch.compile hides them
-    if linked is None:
-        _refuse_meta(module)
-    raw = linked.options if linked is not None else _find_options(step)
-    return state_of_module(module, Options.parse(raw).optimizer if raw is not None else None, create=True)
-
-
-def _refuse_meta(module: nn.Module) -> None:
-    """A model built on the meta device compiled by plain ``torch.compile``: its first call would fail inside
-    Dynamo (which traces it before any backend sees it) with a device error; say so, and what works."""
-    from piper_compile.init.record import meta_tensors
-
-    name = next((n for n, _ in meta_tensors(module)), None)
-    if name is not None:
-        raise PiperError(
-            f"piper: {type(module).__name__} has tensors on the meta device (e.g. {name}); "
-            "torch.compile(model, backend='piper') cannot run it: Dynamo traces the model before piper sees it "
-            "and fails on the meta/real device mix. Compile it with piper.compile(model, directives=..., "
-            "optimizer=...), which gives each rank storage for its own pieces only")
+from piper_compile.steps import compiled_steps, module_of, trained_step, training_state
 
 
 def optimizer(step: Any) -> torch.optim.Optimizer:
     """The optimizer piper runs for ``step`` (a real ``torch.optim.Optimizer``: ``param_groups`` work with
     ``torch.optim.lr_scheduler``). Raises if no ``options["optimizer"]`` was given."""
-    st = _state(step, create=True)
+    st = training_state(step, create=True)
     opt = st.get_optimizer()
     if opt is None:
         raise PiperError("piper: this step has no optimizer: pass options={'optimizer': "
@@ -89,16 +39,8 @@ def optimizer(step: Any) -> torch.optim.Optimizer:
 def loss_scaler(step: Any) -> Any:
     """fp16 loss scaling (``runtime/loss_scale.LossScaler``): ``.scale`` the next step seeds its backward
     with, ``.skipped`` steps so far, ``.last_skipped``; None when the step does not scale its loss."""
-    st = _state(step, create=False)
+    st = training_state(step, create=False)
     return st.scaler if st is not None else None
-
-
-def compiled_steps(step: Any) -> list[CompiledStep]:
-    """The compiled programs of ``step`` (train and forward-only variants), after its first call."""
-    st = _state(step, create=False)
-    if st is None:
-        raise PiperError("piper: this step has not run yet; call it once first")
-    return list(st.steps)
 
 
 def explain(step: Any, forward_only: bool = False) -> str:
@@ -114,13 +56,18 @@ def last_stats(step: Any) -> Any:
     return trained_step(step).plans[False].executor.stats
 
 
-def trained_step(step: Any) -> CompiledStep:
-    """The training variant of ``step`` that trained last (after a recompile, the new one: what
-    ``piper.stats``, ``memory_report`` and ``trained_parameters`` describe is what runs now)."""
-    trained = [cs for cs in compiled_steps(step) if False in cs.plans]
-    if not trained:
-        raise PiperError("piper: the step has not trained yet")
-    return max(trained, key=lambda cs: cs.last_trained)
+def stats(step: Any) -> StepMetrics:
+    """The last training step's metrics on this rank (``metrics.StepMetrics``; ``.line()`` for a log line)."""
+    return metrics_of(trained_step(step))
+
+
+def memory_report(step: Any) -> MemoryReport:
+    """Memory of this rank for ``step`` (after at least one training call): measured from the runtime's
+    buffers (parameter storage actually held, gradient buffers, optimizer state tensors, and the last
+    step's peaks) and predicted by the simulator from the same programs (optimizer state as the
+    optimizer's state tensors per parameter, e.g. 2 for AdamW). Under expert parallelism expert weights
+    count as this rank's shards (parameters, gradients and optimizer state of ``E/G`` experts)."""
+    return report_of(trained_step(step))
 
 
 def trained_parameters(step: Any) -> dict[str, torch.Tensor]:
@@ -231,7 +178,7 @@ def _compiled_forward(traced: Callable[..., Any], model: nn.Module, marked: bool
     one is a ``piper:`` error until the next call, ``runtime/released.py``), and the next call starts by
     taking the marks off, before Dynamo's guards read the parameters' classes."""
     done: set[bool] = set()
-    route = ForwardRoute(model, traced, opts, marked)
+    route = ForwardRoute(model, traced, functools.partial(piper_backend, options=opts), marked)
 
     @functools.wraps(traced)
     def forward(*args: Any, **kwargs: Any) -> Any:

@@ -248,14 +248,9 @@ def _predicted(cs: Any) -> MemoryFigures:
     return plan_memory(plan.dag, plan.programs, cs.state.optimizer, cs.state.device.type)[cs.rank].figures
 
 
-def memory_report(step: Any) -> MemoryReport:
-    """Memory of this rank for ``step`` (after at least one training call): measured from the runtime's
-    buffers (parameter storage actually held, gradient buffers, optimizer state tensors, and the last
-    step's peaks) and predicted by the simulator from the same programs (optimizer state as the
-    optimizer's state tensors per parameter, e.g. 2 for AdamW). Under expert parallelism expert weights
-    count as this rank's shards (parameters, gradients and optimizer state of ``E/G`` experts)."""
-    from piper_compile.api import trained_step
+def report_of(cs: Any) -> MemoryReport:
+    """Memory of this rank for the training variant ``cs`` (``backend.CompiledStep``, after at least one
+    training call): ``piper.memory_report``."""
     from piper_compile.runtime.registry import plain_tensors
 
-    cs = trained_step(step)
     return plain_tensors(lambda: MemoryReport(cs.rank, _measured(cs), _predicted(cs)))()

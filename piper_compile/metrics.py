@@ -206,10 +206,3 @@ def metrics_of(cs: Any) -> StepMetrics:
                        sum(1 for s in cs.state.steps if s.recompile_reason) + sum(s.reused_recompiles for s in cs.state.steps),
                        count("hit", "loaded"), count("miss"), count("reused"), cs.joint.how, cs.joint.seconds,
                        count("loaded"), cs.forward_how, cs.forward_seconds, stats.expert_load)
-
-
-def stats(step: Any) -> StepMetrics:
-    """The last training step's metrics on this rank (``StepMetrics``; ``.line()`` for a log line)."""
-    from piper_compile.api import trained_step
-
-    return metrics_of(trained_step(step))

@@ -53,11 +53,13 @@ def _one_version_taken() -> Iterator[None]:
 
 class ForwardRoute:
     """The forward of one ``piper.compile``d model (see the module's docstring). ``dynamo`` runs a call
-    through ``torch.compile``'s hook; ``options`` is the dict both paths hand ``piper_backend``; ``marked``:
+    through ``torch.compile``'s hook; ``backend`` compiles a traced graph as Dynamo's path would (``piper_backend``
+    with the options that path hands it: ``backend(gm, example_inputs)``); ``marked``:
     piper marked repeated blocks (a Dynamo failure on them traces block by block)."""
 
-    def __init__(self, model: nn.Module, dynamo: Callable[..., Any], options: dict[str, Any], marked: bool) -> None:
-        self.model, self.dynamo, self.options, self.marked = model, dynamo, options, marked
+    def __init__(self, model: nn.Module, dynamo: Callable[..., Any], backend: Callable[[Any, list[Any]], Any],
+                 marked: bool) -> None:
+        self.model, self.dynamo, self.backend, self.marked = model, dynamo, backend, marked
         self.on = forward_cache.enabled() and whole_trace.supported()
         self.forward: whole_trace.Forward | None = None
         self._unsaved: tuple[whole_trace.Trace, bytes | None, str] | None = None  # written after its first call
@@ -86,23 +88,18 @@ class ForwardRoute:
             return flat_on_failure(self.model, lambda: self.dynamo(*args, **kwargs))
         return self.dynamo(*args, **kwargs)
 
-    def _backend(self, gm: Any, inputs: list[Any]) -> Any:
-        from piper_compile.backend import piper_backend
-
-        return piper_backend(gm, inputs, self.options)
-
     def _loaded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> whole_trace.Forward | None:
         path = forward_cache.entry_path(self.model, args, kwargs)
         try:
             with whole_trace.dynamo_metrics():
-                return forward_cache.load(path, self.model, args, kwargs, self._backend)
+                return forward_cache.load(path, self.model, args, kwargs, self.backend)
         except Exception as e:  # noqa: BLE001 - an entry that does not load here: trace as a cold run does
             log.warning("piper: the traced forward %s was not used (%s: %s); tracing again", path,
                         type(e).__name__, e, exc_info=True)
             return None
 
     def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> whole_trace.Forward:
-        run = functools.partial(whole_trace.trace, self.model, args, kwargs, self._backend)
+        run = functools.partial(whole_trace.trace, self.model, args, kwargs, self.backend)
         traced = flat_on_failure(self.model, run) if self.marked else run()
         forward = whole_trace.forward_of(self.model, traced.bytecode, traced.backend_name, traced.step,
                                          traced.import_sources, traced.manager, traced.identities)

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from piper_compile.api import _module_of, _state
+from piper_compile.steps import module_of, training_state
 from piper_compile.checkpoint import commit, dcp_io, hf
 from piper_compile.checkpoint.hooks import install_hooks
 from piper_compile.checkpoint.layout import Ctx, ctx_of, raw_state_dict
@@ -26,8 +26,8 @@ class LoadResult(NamedTuple):
 
 
 def _context(step: Any) -> Ctx:
-    module = _module_of(step)
-    st = _state(step, create=False)
+    module = module_of(step)
+    st = training_state(step, create=False)
     if st is None or not st.first_call_done or not st.steps:
         raise PiperError("piper: this step has not run yet, so it has no training layout to checkpoint; call it "
                          "once first (piper.load(step, path) before the first call is deferred to that call)")
@@ -89,8 +89,8 @@ def load(step: Any, path: str | os.PathLike[str], strict: bool = True) -> LoadRe
     model lacks and those the model has that the checkpoint lacks. ``strict=False`` loads the entries both
     have, warns, and returns the others in the ``LoadResult``. A checkpoint without optimizer state is
     not a mismatch: only the parameters are loaded."""
-    module = _module_of(step)
-    st = _state(step, create=True)
+    module = module_of(step)
+    st = training_state(step, create=True)
     if hf.is_hf_checkpoint(os.fspath(path)):
         return _load_hf(step, module, st, os.fspath(path), strict)
     directory, metadata = commit.resolve(os.fspath(path))
@@ -149,8 +149,8 @@ def materialize_optimizer_state(step: Any) -> None:
     state dict holds tensors to load into. Parameters are left bitwise unchanged and step counts at 0:
     for Adam/AdamW, SGD without dampening, Adagrad, RMSprop and Rprop the next update is bitwise the
     one a fresh optimizer would make. Before the first call it is deferred into that call."""
-    module = _module_of(step)
-    st = _state(step, create=True)
+    module = module_of(step)
+    st = training_state(step, create=True)
     if st.first_call_done and st.steps:
         ctx = _context(step)
         if ctx.unsharded_yet:
@@ -202,8 +202,8 @@ def load_full_state_dict(step: Any, sd: dict[str, torch.Tensor], strict: bool = 
     copy and lose it again; a low-precision ZeRO-1/2 model's fp32 master shards are refreshed). The
     optimizer state is kept, as in eager. Before the first call it just copies into the module's
     parameters (rank 0's copy is broadcast at that call). Every rank passes the same ``sd``."""
-    module = _module_of(step)
-    st = _state(step, create=False)
+    module = module_of(step)
+    st = training_state(step, create=False)
     if st is not None and ((st.zero is not None and st.zero.sharded) or st.released or st.released_buffers):
         install_hooks(st, module)
     return module.load_state_dict(sd, strict=strict)

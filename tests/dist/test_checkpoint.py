@@ -80,7 +80,7 @@ def _resumed_run(rank: int, world: int, cfg: RunConfig, path: str, other: list, 
     torch._dynamo.reset()
     model, step = _make(cfg, cfg.seed)
     piper.materialize_optimizer_state(step)
-    st = piper.api._state(step, create=True)
+    st = piper.steps.training_state(step, create=True)
     st.pending.append(  # runs after the deferred materialisation, before the first update
         lambda cs: out.setdefault("state_steps", [float(s.get("step", 0)) for s in st.optimizer.state.values()]))
     out["materialized"] = _train(step, model, cfg, rank, world, range(6))

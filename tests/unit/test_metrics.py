@@ -105,10 +105,10 @@ def test_a_recompile_is_said_once_and_counted():
     assert m.recompiles == 1 and m.compiled_segments >= 2 and m.fallbacks == 0
     # stats, memory_report and trained_parameters describe the variant that trained last
     first, second = [cs for cs in piper.compiled_steps(step) if False in cs.plans]
-    assert piper.api.trained_step(step) is second
+    assert piper.steps.trained_step(step) is second
     model.double = False
     step(x, y)
-    assert piper.api.trained_step(step) is first
+    assert piper.steps.trained_step(step) is first
 
 
 def test_a_recompile_that_traces_the_same_graph_reuses_the_step():
