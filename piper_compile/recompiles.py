@@ -48,7 +48,6 @@ def compiling_version(options: Any = None) -> tuple[Any, str | None]:
     where unknown) and, when it is a recompile, its reason (:func:`recompile_reason`; a version for a
     ``torch.compile`` with other ``options`` than every earlier one is none). A model past its versions is
     refused with the recompile-limit error: Dynamo would run its forward eagerly."""
-    from piper_compile.capture.dynamo import limit_message
     from piper_compile.capture.frame_versions import another_compile, count_version
     from piper_compile.errors import PiperCaptureError
 
@@ -106,6 +105,19 @@ _LAST: list[str] = []  # the guard the latest recompile named (for the error at 
 def last_guard() -> str | None:
     """The guard the latest recompile of a piper step named, in the user's terms; None before any."""
     return _LAST[-1] if _LAST else None
+
+
+def limit_message(limit: int | None = None, last: str | None = None) -> str:
+    """The error at Dynamo's recompile limit (``limit``: the user's, the config's by default), naming the
+    guard that failed last (``last``; the latest recompile's by default)."""
+    limit = limit if limit is not None else torch._dynamo.config.recompile_limit
+    last = last if last is not None else last_guard()
+    return (f"piper: Dynamo has compiled this model's step {limit} times (torch._dynamo.config.recompile_limit) "
+            "and refuses another version: something its guards check changed between calls"
+            f"{f' (the latest: {last})' if last else ''}. Keep the model's attributes and the non-tensor "
+            "arguments fixed between steps; pass a value that changes every step as an argument of forward (a "
+            "tensor, or a Python float, which stays an input); or raise the limit where the versions are few "
+            "and meant.")
 
 
 def guard_text(reason: str) -> str:

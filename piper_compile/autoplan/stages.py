@@ -15,7 +15,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from piper_compile.capture.annotate import _ModuleAnnotation, annotate
+from piper_compile.capture.annotate import annotate
+from piper_compile.capture.made import Tagged, user_class
 from piper_compile.errors import PiperError
 
 
@@ -49,18 +50,13 @@ def find_blocks(model: nn.Module) -> tuple[str, tuple[nn.Module, ...]]:
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > len(best[1]):
             kids = tuple(mod)
-            if len({_base_class(k) for k in kids}) == 1:
+            if len({user_class(type(k)) for k in kids}) == 1:
                 best = (name, kids)
     if len(best[1]) < 2:
         raise PiperError(f"piper: autoplan: {type(model).__name__} has no list of repeated blocks (an nn.ModuleList "
                          "of 2 or more modules of one class) to cut into pipeline stages; build the layers as an "
                          "nn.ModuleList, or plan pipelines yourself with piper.plan")
     return best
-
-
-def _base_class(m: nn.Module) -> type:
-    """The module's own class (annotate gives an annotated module a subclass of it)."""
-    return type(m).__mro__[1] if isinstance(m, _ModuleAnnotation) else type(m)
 
 
 def block_costs(model: nn.Module, example: tuple[Any, ...]) -> BlockCosts:
@@ -131,7 +127,7 @@ def balanced_split(costs: list[int], stages: int, before: int = 0, after: int = 
 def tagged(tags: list[tuple[nn.Module, dict[str, int]]]) -> Iterator[None]:
     """Annotate each module with its tags for the duration (capture reads them); afterwards every
     module has its own class and tags back."""
-    saved = [(m, m.__class__, dict(m._piper_tags) if isinstance(m, _ModuleAnnotation) else None) for m, _ in tags]
+    saved = [(m, m.__class__, dict(m._piper_tags) if isinstance(m, Tagged) else None) for m, _ in tags]
     try:
         for m, t in tags:
             annotate(m, **t)

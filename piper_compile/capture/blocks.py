@@ -17,27 +17,20 @@ where the model has repeated blocks and no directive rewrites Dynamo's graph per
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from piper_compile.capture import region_guards
-from piper_compile.capture.annotate import Made, _annotated_class, _ModuleAnnotation
+from piper_compile.capture.made import Tagged, is_region, region_class, tagged_class, user_class
 from piper_compile.directives.spec import Directive, ShardTensor
 from piper_compile.disk import TESTED_TORCH, torch_version
 from piper_compile.knobs import knob
 
-_REGION: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
-
-
-class _Region(Made):
-    """Marker of a block class whose ``forward`` is a nested compile region."""
-
 
 def _signature(module: nn.Module) -> tuple[Any, ...]:
-    return (_base(type(module)), tuple((n, tuple(t.shape), t.dtype) for n, t in module.named_parameters()),
+    return (user_class(type(module)), tuple((n, tuple(t.shape), t.dtype) for n, t in module.named_parameters()),
             tuple((n, tuple(t.shape), t.dtype) for n, t in module.named_buffers()))
 
 
@@ -47,7 +40,7 @@ def _plain_inside(block: nn.Module) -> bool:
     the blocks would carry the first one's); nor is it a list itself, nor checkpointed by Hugging Face."""
     inside = [m for m in block.modules() if m is not block]
     return bool(inside) and not isinstance(block, (nn.ModuleList, nn.Sequential)) and not any(
-        isinstance(m, _ModuleAnnotation) for m in inside) and not _checkpointed(block)
+        isinstance(m, Tagged) for m in inside) and not _checkpointed(block)
 
 
 def _checkpointed(block: nn.Module) -> bool:
@@ -57,54 +50,21 @@ def _checkpointed(block: nn.Module) -> bool:
     return getattr(block, "gradient_checkpointing", False) is True and block.training
 
 
-def _base(cls: type) -> type:
-    """The user's class of a block: below piper's annotation and region subclasses."""
-    while issubclass(cls, (_ModuleAnnotation, _Region)) and cls.__mro__[1] is not object:
-        cls = cls.__mro__[1]
-    return cls
-
-
-def _nested_region(fn: Any) -> Any:
-    """``fn`` marked as a nested compile region. Dynamo keeps a traced body per set of guards (a block whose
-    attributes differ gets a body of its own) and refuses more than ``max_reuse_entries`` (8 by default):
-    piper lifts the limit so a model whose blocks all differ is traced block by block, not refused."""
-    try:
-        return torch.compiler.nested_compile_region(fn, max_reuse_entries=1 << 20)
-    except TypeError:  # a torch without the argument
-        return torch.compiler.nested_compile_region(fn)
-
-
-def region_class(cls: type) -> type:
-    """``cls`` with its ``forward`` a nested compile region (one class per ``cls``)."""
-    made = _REGION.get(cls)
-    if made is None:
-        marked = _nested_region(cls.forward)
-        made = type(f"Region{cls.__name__}", (cls, _Region),
-                    {"forward": marked, "__module__": cls.__module__, "__qualname__": f"Region{cls.__qualname__}"})
-        _REGION[cls] = made
-    return made
-
-
 def _mark(module: nn.Module) -> None:
     cls = type(module)
-    if _marked(cls):
+    if is_region(cls):
         return
-    region = region_class(_base(cls))
-    module.__class__ = _annotated_class(region) if issubclass(cls, _ModuleAnnotation) else region
-
-
-def _marked(cls: type) -> bool:
-    """A region class, or piper's annotation subclass of one."""
-    return issubclass(cls, _Region) or (issubclass(cls, _ModuleAnnotation) and issubclass(cls.__mro__[1], _Region))
+    region = region_class(user_class(cls))
+    module.__class__ = tagged_class(region) if issubclass(cls, Tagged) else region
 
 
 def _unmark(module: nn.Module) -> bool:
     """``module`` back to its class before :func:`_mark` (keeping its tags); whether it was marked."""
     cls = type(module)
-    if not _marked(cls):
+    if not is_region(cls):
         return False
-    base = _base(cls)
-    module.__class__ = _annotated_class(base) if issubclass(cls, _ModuleAnnotation) else base
+    base = user_class(cls)
+    module.__class__ = tagged_class(base) if issubclass(cls, Tagged) else base
     return True
 
 
@@ -124,7 +84,7 @@ def flat_on_failure(model: nn.Module, run: Callable[[], Any]) -> Any:
     try:
         return run()
     except TorchDynamoException as e:
-        if isinstance(e, BackendCompilerFailed) or not any(_marked(type(m)) for m in model.modules()):
+        if isinstance(e, BackendCompilerFailed) or not any(is_region(type(m)) for m in model.modules()):
             raise  # piper's own error (the trace got through), or nothing to unmark
         unmark_blocks(model)
         out = run()  # where this fails too, the failure is the model's own: raised without the warning

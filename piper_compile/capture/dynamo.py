@@ -116,27 +116,14 @@ def one_graph_errors(model: nn.Module) -> Iterator[None]:
     except (exc.Unsupported, exc.UserError) as e:
         raise PiperCaptureError(_one_graph_message(str(e), model)) from e
     except limit_hit as e:
+        from piper_compile.recompiles import limit_message
+
         raise PiperCaptureError(limit_message()) from e
     except exc.BackendCompilerFailed as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, PiperError):
             raise inner from None
         raise
-
-
-def limit_message(limit: int | None = None, last: str | None = None) -> str:
-    """The error at Dynamo's recompile limit (``limit``: the user's, the config's by default), naming the
-    guard that failed last (``last``; the latest recompile's by default)."""
-    from piper_compile.recompiles import last_guard
-
-    limit = limit if limit is not None else torch._dynamo.config.recompile_limit
-    last = last if last is not None else last_guard()
-    return (f"piper: Dynamo has compiled this model's step {limit} times (torch._dynamo.config.recompile_limit) "
-            "and refuses another version: something its guards check changed between calls"
-            f"{f' (the latest: {last})' if last else ''}. Keep the model's attributes and the non-tensor "
-            "arguments fixed between steps; pass a value that changes every step as an argument of forward (a "
-            "tensor, or a Python float, which stays an input); or raise the limit where the versions are few "
-            "and meant.")
 
 
 def _moe_hint(files: set[str], model: nn.Module) -> str:

@@ -18,7 +18,7 @@ compiles; per code object for a frame that is no module's method):
   ``torch.compile`` whose options differ from those of every version Dynamo holds (its ``BACKEND_MATCH``
   guard failed) is a new compile of the model, not a recompile (``another_compile``);
 - a model gets the limit's worth of versions of its own: past them piper refuses with the recompile-limit
-  error ``fullgraph=True`` gives (``capture/dynamo.limit_message``), never an eager run;
+  error ``fullgraph=True`` gives (``recompiles.limit_message``), never an eager run;
 - Dynamo's own limits (``recompile_limit``, ``accumulated_recompile_limit``) are kept above the versions the
   frame holds, so Dynamo never reaches its eager fallback on a piper frame. They are process-wide: other
   compiled functions then also get that many versions before Dynamo runs them eagerly (only slower, never

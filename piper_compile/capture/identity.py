@@ -67,7 +67,7 @@ def identity(obj: Any, depth: int = 0) -> str | None:
     name, a class or builtin by its import path, an enum member by its class and name, a Python function by
     its import path or code and closure, a constant (in a closure) by its value, piper's block classes by
     the user's class."""
-    from piper_compile.capture.annotate import Made
+    from piper_compile.capture.made import Made
 
     if depth > 3:
         return None

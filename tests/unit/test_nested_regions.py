@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 import piper_compile as piper
-from piper_compile.capture import blocks
+from piper_compile.capture import blocks, made
 from piper_compile.capture.regions import block_of
 from piper_compile.capture.subgraphs import calls_of
 from piper_compile.disk import TESTED_TORCH, torch_version
@@ -52,7 +52,7 @@ def test_the_blocks_of_a_module_list_are_marked_once_and_keep_their_tags(monkeyp
     assert blocks.repeated_lists(model) == ["blocks"]
     assert blocks.mark_repeated_blocks(model) == ["blocks"]
     kinds = {type(b) for b in model.blocks}
-    assert len(kinds) == 1 and issubclass(kinds.pop(), blocks._Region)
+    assert len(kinds) == 1 and issubclass(kinds.pop(), made.Region)
     assert [b._piper_tags for b in model.blocks] == [{"PP": 0}, {"PP": 0}, {"PP": 1}, {"PP": 1}]
     again = type(model.blocks[0])
     blocks.mark_repeated_blocks(model)
@@ -325,11 +325,11 @@ def test_a_region_the_user_marked_under_plain_torch_compile(monkeypatch, inside)
     flat = GPT(GPTConfig(dim=32, heads=2, layers=3))
     marked = GPT(GPTConfig(dim=32, heads=2, layers=3))
     marked.load_state_dict(flat.state_dict())
-    region = blocks.region_class(type(marked.blocks[0]))
+    region = made.region_class(type(marked.blocks[0]))
     for b in marked.blocks:
         b.__class__ = region
         if inside:
-            b.fc.__class__ = b.out.__class__ = blocks.region_class(nn.Linear)
+            b.fc.__class__ = b.out.__class__ = made.region_class(nn.Linear)
     batch = flat.make_batch(8, torch.Generator().manual_seed(1))
     opts = {"directives": [piper.split(2)], "optimizer": SGD}
     a = torch.compile(flat, backend="piper", options=opts, dynamic=True, fullgraph=True)
@@ -378,10 +378,10 @@ def test_blocks_dynamo_cannot_trace_as_regions_are_traced_one_by_one(monkeypatch
         model = FloatArgument(inner) if tempered else inner
         step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
         if (mode, tempered) == ("auto", True):
-            assert any(isinstance(m, blocks._Region) for m in model.modules())
+            assert any(isinstance(m, made.Region) for m in model.modules())
             with pytest.warns(UserWarning, match="traced them one by one"):
                 losses = [float(step(*batch).detach())]
-            assert not any(isinstance(m, blocks._Region) for m in model.modules())
+            assert not any(isinstance(m, made.Region) for m in model.modules())
         else:
             losses = [float(step(*batch).detach())]
         losses.append(float(step(*batch).detach()))
