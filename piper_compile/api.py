@@ -8,7 +8,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from piper_compile.backend import CompiledStep, piper_backend
+from piper_compile.backend import piper_backend
+from piper_compile.compiled_step import CompiledStep
 from piper_compile.callmode import forward_only, wants_forward_only
 from piper_compile.memory import MemoryReport, report_of
 from piper_compile.metrics import StepMetrics, metrics_of
@@ -21,7 +22,7 @@ from piper_compile.errors import PiperDirectiveError, PiperError, some
 from piper_compile.ir.dag import TrainingDAG
 from piper_compile.plan.program import Program
 from piper_compile.runtime.registry import link, state_of_module
-from piper_compile.steps import compiled_steps, module_of, trained_step, training_state
+from piper_compile.steps import compiled_steps, trained_step, training_state
 
 
 def optimizer(step: Any) -> torch.optim.Optimizer:

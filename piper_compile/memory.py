@@ -249,7 +249,7 @@ def _predicted(cs: Any) -> MemoryFigures:
 
 
 def report_of(cs: Any) -> MemoryReport:
-    """Memory of this rank for the training variant ``cs`` (``backend.CompiledStep``, after at least one
+    """Memory of this rank for the training variant ``cs`` (``compiled_step.CompiledStep``, after at least one
     training call): ``piper.memory_report``."""
     from piper_compile.runtime.registry import plain_tensors
 

@@ -1,6 +1,6 @@
 """From the step a user holds (the module ``torch.compile(model, backend="piper")`` returns, or
 ``piper.compile``'s) to what piper keeps for it: the model, its training state (``runtime/registry.py``)
-and the compiled variants (``backend.CompiledStep``: training and forward-only). The user-facing helpers
+and the compiled variants (``compiled_step.CompiledStep``: training and forward-only). The user-facing helpers
 (``api``, ``checkpoint``, ``memory``, ``metrics``) all find a step's objects here."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from piper_compile.options import Options
 from piper_compile.runtime.registry import state_of_module
 
 if TYPE_CHECKING:
-    from piper_compile.backend import CompiledStep
+    from piper_compile.compiled_step import CompiledStep
 
 
 def module_of(step: Any) -> nn.Module:

@@ -286,7 +286,7 @@ class _Search:
 
     def _plan(self, c: Candidate) -> Choice | None:
         from piper_compile.api import StaticPlan
-        from piper_compile.backend import CompiledStep
+        from piper_compile.compiled_step import CompiledStep
         from piper_compile.sim import simulate_plan
 
         stages = self.costs.split(c.stages)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import piper_compile as piper
 from piper_compile import PiperDirectiveError, PiperError, PiperPlanError
-from piper_compile.backend import CompiledStep
+from piper_compile.compiled_step import CompiledStep
 from piper_compile.directives.spec import Replicate, parse_directives
 from piper_compile.ir.dag import Kind, TrainingDAG, parse_dag
 from piper_compile.ir.ops import GradReduce

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import piper_compile as piper
-from piper_compile.backend import CompiledStep
+from piper_compile.compiled_step import CompiledStep
 from piper_compile.ir.dag import Kind, TrainingDAG
 from piper_compile.ir.ops import GradReduce
 from piper_compile.plan.program import Program

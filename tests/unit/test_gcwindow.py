@@ -12,7 +12,7 @@ import torch
 
 import piper_compile as piper
 from piper_compile import gcwindow
-from piper_compile.backend import CompiledStep
+from piper_compile.compiled_step import CompiledStep
 from piper_compile.testing.models import build_model
 
 
