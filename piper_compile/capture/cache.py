@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
+from torch._C._functorch import is_batchedtensor
 
 from piper_compile.capture.subgraphs import calls_of, canonical_region_names
 from piper_compile.disk import (TESTED_TORCH, cache_root, constant_bytes, one_at_a_time, torch_version,
@@ -62,7 +63,10 @@ def _hint(x: Any) -> Any:
 def _value_text(v: Any) -> str:
     """A placeholder's or node's fake value: symbolic and concrete shape, strides, dtype, device, kind."""
     if isinstance(v, torch.Tensor):
-        return (f"T{type(v).__name__}{tuple(v.shape)}{tuple(_hint(d) for d in v.shape)}{tuple(v.stride())}"
+        # a value inside torch.vmap (a functorch BatchedTensor over a fake one) reads as the plain fake tensor
+        # of its logical shape the forward cache keeps for it: the graph's vmap calls say that it is batched
+        kind = "FakeTensor" if is_batchedtensor(v) else type(v).__name__
+        return (f"T{kind}{tuple(v.shape)}{tuple(_hint(d) for d in v.shape)}{tuple(v.stride())}"
                 f"{v.dtype}{v.device}{v.requires_grad}{isinstance(v, torch.nn.Parameter)}")
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"S{v}={_hint(v)}"

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 from torch import fx, nn
+from torch._C._functorch import get_unwrapped, is_batchedtensor
 
 from piper_compile.capture import cache as joint_cache
 from piper_compile.capture.identity import code_digest, identity, resolve, stable
@@ -110,14 +111,24 @@ def _arg_kind(a: Any) -> Any:
 
 def _unview(v: Any) -> Any:
     """A fake value with a view's metadata but no base (a view's description holds what pickle cannot
-    write; the key reads shapes, strides, dtype, device and requires_grad, which this keeps)."""
-    if isinstance(v, torch.Tensor) and v._is_view():
-        with v.fake_mode:  # type: ignore[attr-defined]
+    write; the key reads shapes, strides, dtype, device and requires_grad, which this keeps). A value inside
+    ``torch.vmap`` (transformers' mask functions) is a functorch ``BatchedTensor`` over a fake one, which
+    pickle cannot write either: it is kept as a plain fake tensor of its logical shape, as the key reads it
+    (``capture/cache._value_text``)."""
+    if isinstance(v, torch.Tensor) and (v._is_view() or is_batchedtensor(v)):
+        with _fake_mode(v):
             return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
                                        requires_grad=v.requires_grad)
     if isinstance(v, (list, tuple)):
         return type(v)(_unview(x) for x in v)
     return v
+
+
+def _fake_mode(v: torch.Tensor) -> Any:
+    """The fake mode of ``v``, below any vmap levels wrapped around it."""
+    while is_batchedtensor(v):
+        v = get_unwrapped(v)
+    return v.fake_mode  # type: ignore[attr-defined]
 
 
 def _graph_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -347,9 +358,34 @@ def _guard_manager(entry: _Entry, code: types.CodeType, scope: dict[str, Any]) -
         scope.setdefault(alias, importlib.import_module(module_name))
     with tracing(TracingContext(None)):  # a source of an import installs a guard as it is made: into this one
         state = load_guards_state(entry.guards)
+    _one_tensor_check_per_source(state.output_graph.guards)
     name = state.output_graph.name_of_builtins_dict_key_in_fglobals
     extra = {name: get_builtins_dict(scope)} if name and name not in scope else {}
     return load_guard_manager(state, code, scope), collections.ChainMap(extra, scope)
+
+
+def _one_tensor_check_per_source(guards: Any) -> None:
+    """Drop the second ``TENSOR_MATCH`` of a source from rebuilt guards. A block Dynamo stamps out of a
+    nested compile region guards its tensors once per check of the region's reuse (a transformers decoder:
+    each layer's weights twice), which the live guards tell apart by their guard function's identity. Read
+    back, each carries the fake value it was made with instead of the parameter, so Dynamo's rule that
+    parameters are left out of its no-aliasing check does not apply, and one tensor twice in that check is
+    "Duplicate tensor found where not expected!" on every warm call. The two are the same check."""
+    seen: set[str] = set()
+    kept = []
+    for g in guards.inner:
+        if g.create_fn_name() == "TENSOR_MATCH":
+            if g.name in seen:
+                continue
+            seen.add(g.name)
+        kept.append(g)
+    if len(kept) == len(guards.inner):
+        return
+    guards.inner = type(guards.inner)(kept)
+    if hasattr(guards, "source_to_guards") and hasattr(guards, "track_guard_by_source"):
+        guards.source_to_guards.clear()
+        for g in kept:
+            guards.track_guard_by_source(g)
 
 
 def load(path: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

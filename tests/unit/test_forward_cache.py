@@ -281,13 +281,17 @@ def test_another_structure_of_the_same_class_traces_again(cache_dir, monkeypatch
 @pytest.mark.slow  # 30 s: two transformers traces
 @pytest.mark.skipif(torch_version() < TESTED_TORCH, reason="torch 2.11 cannot rebuild BERT's saved guards "
                     "(DefaultsSource.__init__ takes 3 arguments, its pickle gives 6): the load traces again")
-def test_a_transformers_encoder_loads_its_trace(cache_dir, monkeypatch):
+@pytest.mark.parametrize("family", ["bert", "mistral"])
+def test_a_transformers_model_loads_its_trace(cache_dir, monkeypatch, family):
     """BERT's trace reads ``type(x)`` through a global Dynamo names by the id of ``torch`` (``_<id>_c0``): the
-    load installs torch under a name of its own and renames it in the guards."""
+    load installs torch under a name of its own and renames it in the guards. A decoder's causal mask is made
+    under ``torch.vmap``, whose values the graph's metadata holds as functorch ``BatchedTensor`` fakes (kept as
+    plain fakes of their logical shape), and its layers, stamped out of a nested compile region, guard each
+    weight twice (one check kept on load). Before: the decoder was never saved, then never loaded."""
     from piper_compile.testing.hf import HFLoss
 
     def run():
-        model = HFLoss("bert", seed=0, num_hidden_layers=2)
+        model = HFLoss(family, seed=0, num_hidden_layers=2)
         batch = model.make_batch(4, torch.Generator().manual_seed(0))
         step = piper.compile(model, directives=[piper.split(2)], optimizer=SGD, codegen="eager")
         losses = [float(step(*batch).detach()) for _ in range(2)]
