@@ -370,14 +370,16 @@ def _one_tensor_check_per_source(guards: Any) -> None:
     each layer's weights twice), which the live guards tell apart by their guard function's identity. Read
     back, each carries the fake value it was made with instead of the parameter, so Dynamo's rule that
     parameters are left out of its no-aliasing check does not apply, and one tensor twice in that check is
-    "Duplicate tensor found where not expected!" on every warm call. The two are the same check."""
-    seen: set[str] = set()
+    "Duplicate tensor found where not expected!" on every warm call. The two are the same check (their
+    code too: a guard that differs is kept)."""
+    seen: set[tuple[str, tuple[str, ...]]] = set()
     kept = []
     for g in guards.inner:
         if g.create_fn_name() == "TENSOR_MATCH":
-            if g.name in seen:
+            key = (g.name, tuple(g.code_list or ()))  # the same source, checked the same way
+            if key in seen:
                 continue
-            seen.add(g.name)
+            seen.add(key)
         kept.append(g)
     if len(kept) == len(guards.inner):
         return
