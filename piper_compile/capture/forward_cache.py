@@ -22,13 +22,18 @@ after the first call and loads it at a later run's first call. An entry holds:
 
 The entry's name hashes what the trace does not guard (the torch, Python and piper versions and settings,
 Dynamo's configuration, the rank and world size, which Dynamo reads as constants, the model's class and
-forward, the arguments' kinds). Anything that does not match, load or check traces again, as a cold run does. ``PIPER_FORWARD_CACHE``
+forward, the arguments' kinds). Under that name up to ``SLOTS`` entries are kept, one per joint graph (two
+configurations of one model, a sweep, a training and an evaluation script: each run loads its own), tried
+most recently used first; a new trace evicts the least recently used. Anything that does not match, load
+or check traces again, as a cold run does. ``PIPER_FORWARD_CACHE``
 ("auto": from torch 2.13, where the Dynamo internals used are tested; "off").
 """
 from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
+import glob
 import hashlib
 import inspect
 import logging
@@ -56,6 +61,7 @@ from piper_compile.knobs import knob
 
 log = logging.getLogger(__name__)
 _VERSION = 1
+SLOTS = 4  # traced forwards kept per entry name (each of another joint graph)
 _GRAPH_META = ("example_value", "custom", "stack_trace", "nn_module_stack")
 
 
@@ -83,7 +89,8 @@ class _Entry:
 
 
 def entry_path(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Where this model's traced forward for calls like this one lives (see the module's docstring)."""
+    """The name of this model's traced forwards for calls like this one (see the module's docstring): its
+    entries are files beside it (``_slots``)."""
     from piper_compile.runtime.groups import world_info
 
     import torch._dynamo.config as dynamo_config
@@ -292,14 +299,34 @@ def _globals_read(code: types.CodeType) -> set[str]:
     return set(GraphCaptureOutput._get_external_refs(code))
 
 
-def save(path: str, entry: _Entry) -> None:
-    """Write ``entry`` whole or not at all (ranks writing the same entry at once see one whole file)."""
+def _slot(name: str, joint_key: str) -> str:
+    """The file of the entry under ``name`` whose joint graph is ``joint_key``."""
+    return f"{name.removesuffix('.pkl')}.{joint_key[:16]}.pkl"
+
+
+def _slots(name: str) -> list[str]:
+    """The entries kept under ``name``, the most recently used first."""
+    def used(path: str) -> float:
+        try:
+            return os.path.getmtime(path)
+        except OSError:
+            return 0.0
+
+    return sorted(glob.glob(f"{glob.escape(name.removesuffix('.pkl'))}.*.pkl"), key=used, reverse=True)
+
+
+def save(name: str, entry: _Entry) -> None:
+    """Write ``entry`` under ``name`` whole or not at all (ranks writing the same entry at once see one whole
+    file: they trace the same joint graph), and drop the least recently used beyond ``SLOTS``."""
+    path = _slot(name, entry.joint_key)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "wb") as fh:
             pickle.dump(entry, fh, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
+        for old in _slots(name)[SLOTS:]:
+            os.remove(old)
     except OSError:
         pass
 
@@ -390,11 +417,29 @@ def _one_tensor_check_per_source(guards: Any) -> None:
             guards.track_guard_by_source(g)
 
 
-def load(path: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+def load(name: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
          backend: Callable[[fx.GraphModule, list[Any]], Any]) -> Forward | None:
-    """The traced forward at ``path`` for this call, with its step made by ``backend``; None where there is
-    none, or it does not apply to this model and call exactly (stale sources, a failed guard, an identity
-    that differs, other sizes, the joint graph no longer cached; logged at INFO): the caller traces."""
+    """The first traced forward under ``name`` (most recently used first) that applies to this call, with its
+    step made by ``backend`` (that entry is then the most recently used); None where none does (stale
+    sources, a failed guard, an identity that differs, other sizes, the joint graph no longer cached; each
+    logged at INFO): the caller traces."""
+    for path in _slots(name):
+        try:
+            forward = _load(path, model, args, kwargs, backend)
+        except Exception as e:  # noqa: BLE001 - an entry that does not load here: try the next, or trace
+            log.warning("piper: the traced forward %s was not used (%s: %s)", path, type(e).__name__, e,
+                        exc_info=True)
+            continue
+        if forward is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path)
+            return forward
+    return None
+
+
+def _load(path: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+          backend: Callable[[fx.GraphModule, list[Any]], Any]) -> Forward | None:
+    """The traced forward at ``path`` for this call (``load``), or None."""
     from torch._dynamo import convert_frame
     from torch._dynamo.package import SerializedCode
 

@@ -89,14 +89,9 @@ class ForwardRoute:
         return self.dynamo(*args, **kwargs)
 
     def _loaded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> whole_trace.Forward | None:
-        path = forward_cache.entry_path(self.model, args, kwargs)
-        try:
-            with whole_trace.dynamo_metrics():
-                return forward_cache.load(path, self.model, args, kwargs, self.backend)
-        except Exception as e:  # noqa: BLE001 - an entry that does not load here: trace as a cold run does
-            log.warning("piper: the traced forward %s was not used (%s: %s); tracing again", path,
-                        type(e).__name__, e, exc_info=True)
-            return None
+        name = forward_cache.entry_path(self.model, args, kwargs)
+        with whole_trace.dynamo_metrics():
+            return forward_cache.load(name, self.model, args, kwargs, self.backend)
 
     def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> whole_trace.Forward:
         run = functools.partial(whole_trace.trace, self.model, args, kwargs, self.backend)
@@ -111,11 +106,11 @@ class ForwardRoute:
     def _save(self, forward: whole_trace.Forward, f_locals: dict[str, Any]) -> None:
         """After the first call through a fresh trace: write it down, once its joint graph is captured."""
         assert self._unsaved is not None
-        traced, graph, path = self._unsaved
+        traced, graph, name = self._unsaved
         joint = getattr(forward.step, "joint", None)
         if joint is None:
             return  # not captured yet (a call that failed before capture): try after the next one
         self._unsaved = None
         entry = forward_cache.entry_of(traced, forward, f_locals, graph, joint.key)
         if entry is not None:
-            forward_cache.save(path, entry)
+            forward_cache.save(name, entry)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import piper_compile as piper
+from piper_compile.capture import forward_cache
 from piper_compile.capture.identity import identity
 from piper_compile.disk import TESTED_TORCH, torch_version
 from piper_compile.testing.models import GPT, GPTConfig, build_model
@@ -134,6 +135,34 @@ def test_an_attribute_changed_before_the_warm_call_traces_again(cache_dir, monke
     model = _gpt()
     _with_eps(model)
     _same(warm, _train(model))
+
+
+def _eps_model() -> nn.Module:
+    model = _gpt()
+    _with_eps(model)
+    return model
+
+
+def test_two_configurations_alternating_each_load_their_own_trace(cache_dir, monkeypatch):
+    """Before: one entry per name, so runs alternating between two configurations (a sweep, a training and
+    an evaluation script) overwrote each other's entry and traced every time."""
+    runs = [_train(make()) for make in (_gpt, _eps_model, _gpt, _eps_model)]
+    assert [r[2].forward for r in runs] == ["traced", "traced", "loaded", "loaded"]
+    assert len(os.listdir(cache_dir)) == 2
+    _same(runs[0], runs[2])
+    monkeypatch.setenv("PIPER_FORWARD_CACHE", "off")
+    _same(runs[3], _train(_eps_model()))
+
+
+def test_the_least_recently_used_trace_is_evicted(cache_dir, monkeypatch):
+    monkeypatch.setattr(forward_cache, "SLOTS", 2)
+    third = _gpt()
+    third.blocks[0].ln2.eps = 0.25
+    for model in (_gpt(), _eps_model(), _gpt()):  # the plain model's entry is used last
+        _train(model)
+    assert _train(third)[2].forward == "traced"  # evicts the eps model's
+    assert len(os.listdir(cache_dir)) == 2
+    assert [_train(m)[2].forward for m in (_gpt(), _eps_model())] == ["loaded", "traced"]
 
 
 def test_an_attribute_changed_after_the_load_recompiles_with_the_guard_named(cache_dir, monkeypatch):
