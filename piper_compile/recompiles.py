@@ -62,7 +62,8 @@ def compiling_version(options: Any = None) -> tuple[Any, str | None]:
 
 def recompile_reason(first: bool = False, owner: object = None, code: Any = None) -> str | None:
     """When Dynamo compiles this frame again: the guard that failed, said once on stderr (a switch between
-    training and ``torch.no_grad`` calls is expected and not reported). Read from Dynamo's metrics context
+    training and ``torch.no_grad`` calls is expected and not reported, and so is the other mode's version
+    after a reported one: one change, said once). Read from Dynamo's metrics context
     (private: None where this torch has no such record). ``first``: the first version of the frame for
     ``owner``, the model it is compiled for (``capture/frame_versions.py``): Dynamo's reason then names
     another model's version, and this one is no recompile. ``code``: the frame's code object (else the
@@ -84,7 +85,18 @@ def recompile_reason(first: bool = False, owner: object = None, code: Any = None
     if grad not in seen:  # the first training or the first torch.no_grad version: expected
         seen.add(grad)
         return None
-    return reason
+    modes[frame] = {grad}  # the other mode's version of this change is its first there: said once, here
+    return _named(reason, code)
+
+
+def _named(reason: str, code: Any) -> str:
+    """``reason``, or where it names only the grad mode (Dynamo names the first version it checked, which
+    may be the other mode's), the guard another version of the frame fails on (the attribute that changed)."""
+    if "grad_mode" not in reason:
+        return reason
+    from piper_compile.capture.frame_versions import failed_guards
+
+    return next((r for r in failed_guards(code) if "grad_mode" not in r), reason)
 
 
 def ran_on_version(owner: Any, code: Any) -> None:

@@ -117,6 +117,26 @@ def another_compile(code: types.CodeType | None, options: Any) -> bool:
         return False
 
 
+def failed_guards(code: types.CodeType | None) -> list[str]:
+    """The guard each version of ``code`` Dynamo holds fails on the call compiling now (as Dynamo writes a
+    recompile's reason: ``<compile id>: <guard>``); empty where this torch does not say."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo import guards
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        local = getattr(guards, "strip_local_scope", lambda text: text)  # L['self'].k -> self.k, as Dynamo writes
+        f_locals = InstructionTranslator.current_tx().f_locals
+        out = []
+        for entry in _debug_get_cache_entry_list(code):
+            result = entry.guard_manager.check_verbose(f_locals)
+            if not result.result and result.verbose_code_parts:
+                out.append(local(f"{getattr(entry, 'compile_id', '?')}: {result.verbose_code_parts[0]}"))
+        return out
+    except Exception:  # noqa: BLE001 - private API of another torch version, or no compile under way
+        return []
+
+
 def note_ran(owner: nn.Module, code: types.CodeType) -> None:
     """``owner`` runs on a version of ``code`` that Dynamo compiled for another model."""
     _RAN.setdefault(owner, set()).add(code)

@@ -249,3 +249,43 @@ def test_parameter_guards_are_checked_where_dynamo_skips_them(monkeypatch, versi
     with torch._dynamo.config.patch(skip_tensor_guards_with_matching_dict_tags=True):
         check_parameter_guards()
         assert torch._dynamo.config.skip_tensor_guards_with_matching_dict_tags is skips
+
+
+@pytest.mark.parametrize("first_after", ["train", "no_grad"])
+def test_one_changed_attribute_is_one_report_in_either_grad_mode(limits, first_after):
+    """A model trained and evaluated (``torch.no_grad``) whose attribute changes gets a new version in each
+    mode: the change is said once, by whichever call comes first, naming the attribute. Before: the other
+    mode's version was reported too and counted as a second recompile, and a report could name only the
+    grad mode ("a guard failed (TORCH_LOGS=recompiles names it)": Dynamo names the first version it checked,
+    the other mode's)."""
+    import piper_compile as piper
+
+    class Net(_Net):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return (self.b(torch.relu(self.a(x))) * self.k - y).square().mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = SGD(ref.parameters())
+    step = torch.compile(model, backend="piper", options={"codegen": "eager", "optimizer": SGD})
+    x, y = _batch(0)
+
+    def train() -> None:
+        torch.testing.assert_close(step(x, y).detach(), ref(x, y).detach(), rtol=1e-6, atol=1e-7)
+        _eager_step(ref, opt, x, y)
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            torch.testing.assert_close(step(x, y), ref(x, y), rtol=1e-6, atol=1e-7)
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        train(), evaluate()
+        model.k = ref.k = 2
+        calls = (train, evaluate) if first_after == "train" else (evaluate, train)
+        for call in calls * 2:
+            call()
+    told = [str(w.message) for w in said if "compiles the piper step again" in str(w.message)]
+    assert len(told) == 1 and "self.k == 1" in told[0], told  # not "a guard failed (TORCH_LOGS=...)"
+    assert piper.stats(step).recompiles == 1
