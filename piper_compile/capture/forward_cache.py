@@ -325,7 +325,8 @@ def save(name: str, entry: _Entry) -> None:
         with open(tmp, "wb") as fh:
             pickle.dump(entry, fh, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
-        for old in _slots(name)[SLOTS:]:
+        stale = _slots(name)[SLOTS:] + ([name] if os.path.exists(name) else [])  # and the one-entry layout's file
+        for old in stale:
             os.remove(old)
     except OSError:
         pass

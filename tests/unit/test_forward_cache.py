@@ -165,6 +165,15 @@ def test_the_least_recently_used_trace_is_evicted(cache_dir, monkeypatch):
     assert [_train(m)[2].forward for m in (_gpt(), _eps_model())] == ["loaded", "traced"]
 
 
+def test_a_new_trace_drops_the_file_of_the_one_entry_layout(cache_dir):
+    _train(_gpt())
+    (slot,) = os.listdir(cache_dir)
+    legacy = cache_dir / f"{slot.split('.')[0]}.pkl"  # where the entry lived before entries had slots
+    legacy.write_bytes(b"an entry of the old layout")
+    assert _train(_eps_model())[2].forward == "traced"
+    assert not legacy.exists() and len(os.listdir(cache_dir)) == 2
+
+
 def test_an_attribute_changed_after_the_load_recompiles_with_the_guard_named(cache_dir, monkeypatch):
     _train(_gpt())
     with pytest.warns(UserWarning, match=r"compiles the piper step again: a guard failed: .*eps"):
